@@ -1,0 +1,320 @@
+// pcie_allreduce._C: the pybind11 module (torch's bundled pybind11, so the ABI matches torch's
+// own bindings). It exposes the Communicator to the Python layer and the plan layer (schedules,
+// verifier, topology, tuning table) to the CLI and the tests.
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <string>
+
+#include "comm/communicator.h"
+#include "plan/layout.h"
+#include "plan/protocol.h"
+#include "plan/schedule.h"
+#include "plan/topology.h"
+#include "plan/tuning_table.h"
+#include "plan/verify.h"
+
+namespace py = pybind11;
+
+namespace pcie_ar::bindings {
+namespace {
+
+plan::DType dtype_from_name(const std::string& name) {
+  if (auto d = plan::parse_dtype(name)) return *d;
+  throw std::invalid_argument("dtype must be bf16, fp16 or fp32, got '" + name + "'");
+}
+
+py::dict diagnostic_dict(const plan::Diagnostic& d, double timeout_s) {
+  py::dict out;
+  const auto kind = static_cast<plan::FailureKind>(d.kind);
+  out["kind"] = kind == plan::FailureKind::kTimeout    ? "timeout"
+                : kind == plan::FailureKind::kMismatch ? "mismatch"
+                                                       : "none";
+  out["rank"] = d.rank;
+  out["peer"] = d.peer;
+  out["step"] = d.step;
+  out["stage"] = d.stage;
+  out["block"] = d.block;
+  out["flag"] = d.flag;
+  out["flag_owner"] = d.flag_owner;
+  out["generation_seen"] = d.gen_seen;
+  out["generation_expected"] = d.gen_expected;
+  out["numel"] = d.numel;
+  out["peer_numel"] = d.peer_numel;
+  out["signature"] = d.signature;
+  out["peer_signature"] = d.peer_signature;
+  out["message"] = plan::describe_failure(d, timeout_s);
+  return out;
+}
+
+py::object optional_reason(comm::Decline d) {
+  if (d == comm::Decline::kNone) return py::none();
+  return py::str(std::string(comm::decline_name(d)));
+}
+
+py::dict step_dict(const plan::Step& s) {
+  py::dict out;
+  const char* kinds[] = {"reduce", "signal", "wait"};
+  out["kind"] = kinds[static_cast<int>(s.kind)];
+  out["stage"] = s.stage;
+  out["text"] = plan::describe_step(s);
+  if (s.kind == plan::StepKind::kReduce) {
+    auto buf = [](const plan::BufRef& b) {
+      py::dict d;
+      const char* spaces[] = {"input", "output", "slot"};
+      d["space"] = spaces[static_cast<int>(b.space)];
+      d["owner"] = b.owner;
+      if (b.space == plan::Space::kSlot) d["slot"] = b.slot;
+      return d;
+    };
+    out["chunk"] = s.chunk;
+    out["dst"] = buf(s.dst);
+    py::list srcs;
+    for (int i = 0; i < s.num_srcs; ++i) srcs.append(buf(s.srcs[i]));
+    out["srcs"] = srcs;
+  } else {
+    out["peer"] = s.peer;
+    out["flag_owner"] = s.flag_owner;
+    out["flag"] = s.flag;
+  }
+  return out;
+}
+
+py::dict verification_dict(const plan::Verification& v) {
+  py::dict out;
+  out["ok"] = v.ok;
+  out["errors"] = v.errors;
+  out["num_stages"] = v.num_stages;
+  out["max_steps"] = v.max_steps;
+  out["max_outbound_per_stage"] = v.max_outbound_per_stage;
+  out["max_inbound_per_stage"] = v.max_inbound_per_stage;
+  out["cross_island_elements"] = v.cross_island_elements();
+  out["cross_island_by_direction"] = std::vector<double>{v.cross_island[0], v.cross_island[1]};
+  out["sent_to"] = v.sent_to;
+  return out;
+}
+
+void bind_plan(py::module_& m) {
+  py::class_<plan::Schedule>(m, "Schedule")
+      .def_property_readonly(
+          "algorithm",
+          [](const plan::Schedule& s) { return std::string(plan::algorithm_name(s.algorithm)); })
+      .def_property_readonly(
+          "direction",
+          [](const plan::Schedule& s) { return std::string(plan::direction_name(s.direction)); })
+      .def_readonly("staged", &plan::Schedule::staged)
+      .def_readonly("world", &plan::Schedule::world)
+      .def_readonly("num_chunks", &plan::Schedule::num_chunks)
+      .def_readonly("num_stages", &plan::Schedule::num_stages)
+      .def_readonly("island_of", &plan::Schedule::island_of)
+      .def(
+          "verify",
+          [](const plan::Schedule& s, bool in_place) {
+            return verification_dict(plan::verify(s, plan::VerifyOptions{in_place}));
+          },
+          py::arg("in_place") = false)
+      .def("to_dict", [](const plan::Schedule& s) {
+        py::dict out;
+        out["algorithm"] = std::string(plan::algorithm_name(s.algorithm));
+        out["direction"] = std::string(plan::direction_name(s.direction));
+        out["staged"] = s.staged;
+        out["world"] = s.world;
+        out["num_chunks"] = s.num_chunks;
+        out["num_stages"] = s.num_stages;
+        out["island_of"] = s.island_of;
+        py::list programs;
+        for (const auto& program : s.programs) {
+          py::list steps;
+          for (const auto& step : program) steps.append(step_dict(step));
+          programs.append(steps);
+        }
+        out["programs"] = programs;
+        return out;
+      });
+
+  m.def(
+      "build_schedule",
+      [](const std::string& algorithm, int world, const std::vector<int>& island_of,
+         const std::string& direction, bool staged) {
+        const auto a = plan::parse_algorithm(algorithm);
+        if (!a) {
+          throw std::invalid_argument(
+              "algorithm must be oneshot, twoshot, island_oneshot or island_twoshot, got '" +
+              algorithm + "'");
+        }
+        const auto d = plan::parse_direction(direction);
+        if (!d)
+          throw std::invalid_argument("direction must be push or pull, got '" + direction + "'");
+        return plan::build_schedule(*a, *d, staged, world, island_of);
+      },
+      py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction"),
+      py::arg("staged"));
+  m.def("why_unsupported",
+        [](const std::string& algorithm, int world,
+           const std::vector<int>& island_of) -> std::optional<std::string> {
+          const auto a = plan::parse_algorithm(algorithm);
+          if (!a) return "unknown algorithm '" + algorithm + "'";
+          return plan::why_unsupported(*a, world, island_of);
+        });
+  m.def("algorithms", [] {
+    std::vector<std::string> names;
+    for (auto a : plan::kAllAlgorithms) names.emplace_back(plan::algorithm_name(a));
+    return names;
+  });
+  m.def(
+      "layout",
+      [](int64_t max_numel, int world, int elem_bytes, int max_blocks) {
+        const plan::Layout l = plan::make_layout(max_numel, world, elem_bytes, max_blocks);
+        py::dict out;
+        out["total_bytes"] = l.total_bytes;
+        out["control_bytes"] = l.control_bytes;
+        out["data_offset"] = l.data_offset;
+        out["slot_bytes"] = l.slot_bytes;
+        out["num_slots"] = l.num_slots;
+        out["num_flags"] = l.num_flags;
+        out["max_blocks"] = l.max_blocks;
+        out["hash"] = plan::layout_hash(l);
+        return out;
+      },
+      py::arg("max_numel"), py::arg("world"), py::arg("elem_bytes"),
+      py::arg("max_blocks") = plan::kDefaultMaxBlocks);
+
+  py::class_<plan::Topology>(m, "Topology")
+      .def_static("from_nvidia_smi", &plan::Topology::from_nvidia_smi)
+      .def_static("from_islands", &plan::Topology::from_islands)
+      .def_static("flat", [](int world) { return plan::Topology::flat(world); })
+      .def_readwrite("gpu_names", &plan::Topology::gpu_names)
+      .def_readonly("world", &plan::Topology::world)
+      .def_readonly("numa_node", &plan::Topology::numa_node)
+      .def_readonly("source", &plan::Topology::source)
+      .def("link", [](const plan::Topology& t, int a,
+                      int b) { return std::string(plan::link_class_name(t.link(a, b))); })
+      .def("island_of", &plan::Topology::island_of)
+      .def("islands", &plan::Topology::islands)
+      .def("has_nvlink", &plan::Topology::has_nvlink)
+      .def("why_not_two_equal_islands", &plan::Topology::why_not_two_equal_islands)
+      .def("table_key", &plan::Topology::table_key)
+      .def("fingerprint", &plan::Topology::fingerprint, py::arg("extra") = "")
+      .def("describe", &plan::Topology::describe);
+
+  py::class_<plan::TuningTable>(m, "TuningTable")
+      .def_static("parse", &plan::TuningTable::parse, py::arg("text"), py::arg("source") = "table")
+      .def_static("embedded_text", [] { return std::string(plan::TuningTable::embedded_text()); })
+      .def("hash", &plan::TuningTable::hash)
+      .def("canonical_text", &plan::TuningTable::canonical_text)
+      .def("__len__", [](const plan::TuningTable& t) { return t.rows().size(); })
+      .def("choose",
+           [](const plan::TuningTable& t, const std::string& topology, int world,
+              const std::string& dtype, int64_t bytes) -> py::object {
+             const plan::TableChoice c =
+                 t.choose(topology, world, dtype_from_name(dtype), bytes, nullptr);
+             if (c.fallback) return py::str("fallback");
+             return py::str(plan::tactic_label(c.tactic));
+           });
+}
+
+void bind_communicator(py::module_& m) {
+  py::class_<comm::Options>(m, "Options")
+      .def(py::init<>())
+      .def_readwrite("rank", &comm::Options::rank)
+      .def_readwrite("world", &comm::Options::world)
+      .def_readwrite("max_numel", &comm::Options::max_numel)
+      .def_property(
+          "dtypes",
+          [](const comm::Options& o) {
+            std::vector<std::string> names;
+            for (auto d : o.dtypes) names.emplace_back(plan::dtype_name(d));
+            return names;
+          },
+          [](comm::Options& o, const std::vector<std::string>& names) {
+            o.dtypes.clear();
+            for (const auto& n : names) o.dtypes.push_back(dtype_from_name(n));
+          })
+      .def_readwrite("transport", &comm::Options::transport)
+      .def_readwrite("device", &comm::Options::device)
+      .def_readwrite("timeout_s", &comm::Options::timeout_s)
+      .def_readwrite("initial_gen", &comm::Options::initial_gen)
+      .def_readwrite("max_blocks", &comm::Options::max_blocks)
+      .def_readwrite("topology_key", &comm::Options::topology_key)
+      .def_readwrite("island_of", &comm::Options::island_of)
+      .def_readwrite("table_text", &comm::Options::table_text)
+      .def_readwrite("table_source", &comm::Options::table_source)
+      .def_readwrite("group_name", &comm::Options::group_name)
+      .def_property(
+          "disabled",
+          [](const comm::Options& o) { return std::string(comm::decline_name(o.disabled)); },
+          [](comm::Options& o, const std::string& name) {
+            for (int i = 0; i < 16; ++i) {
+              if (comm::decline_name(static_cast<comm::Decline>(i)) == name) {
+                o.disabled = static_cast<comm::Decline>(i);
+                return;
+              }
+            }
+            throw std::invalid_argument("unknown decline reason '" + name + "'");
+          })
+      .def_readwrite("disabled_detail", &comm::Options::disabled_detail)
+      .def_readwrite("log_level", &comm::Options::log_level);
+
+  py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(m, "Communicator")
+      .def(py::init<comm::Options>())
+      .def("local_handle", [](const comm::Communicator& c) { return py::bytes(c.local_handle()); })
+      .def("connect", &comm::Communicator::connect)
+      .def("after_all_connected", &comm::Communicator::after_all_connected)
+      .def("supports", [](const comm::Communicator& c,
+                          const at::Tensor& t) { return optional_reason(c.supports(t)); })
+      .def("decline_reason",
+           [](comm::Communicator& c, const at::Tensor& t) {
+             return optional_reason(c.decline_reason(t));
+           })
+      .def("chosen_tactic", &comm::Communicator::chosen_tactic)
+      .def(
+          "all_reduce",
+          [](comm::Communicator& c, const at::Tensor& inp, at::Tensor out) {
+            c.all_reduce(inp, out);
+            return out;
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("close_peers", &comm::Communicator::close_peers)
+      .def("release", &comm::Communicator::release)
+      .def("enabled", &comm::Communicator::enabled)
+      .def("disabled_reason",
+           [](const comm::Communicator& c) { return optional_reason(c.options().disabled); })
+      .def("disabled_detail",
+           [](const comm::Communicator& c) { return c.options().disabled_detail; })
+      .def("table_hash", &comm::Communicator::table_hash)
+      .def("layout_hash", &comm::Communicator::layout_hash)
+      .def("workspace_bytes", &comm::Communicator::workspace_bytes)
+      .def("raise_if_failed", &comm::Communicator::raise_if_failed)
+      .def("failure",
+           [](const comm::Communicator& c) -> py::object {
+             auto d = c.failure();
+             if (!d) return py::none();
+             return diagnostic_dict(*d, c.options().timeout_s);
+           })
+      .def("stats", [](const comm::Communicator& c) {
+        const comm::Stats s = c.stats();
+        py::dict out;
+        out["calls"] = s.calls;
+        out["declines"] = s.declines;
+        out["bytes_sent_per_peer"] = s.bytes_sent_per_peer;
+        return out;
+      });
+
+  m.def("register_communicator", &comm::register_communicator);
+  m.def("unregister_communicator", &comm::unregister_communicator);
+  m.attr("FAILURE_PREFIX") = std::string(comm::kFailurePrefix);
+#if defined(PCIE_AR_HAVE_CUDA)
+  m.attr("BUILT_WITH_CUDA") = true;
+#else
+  m.attr("BUILT_WITH_CUDA") = false;
+#endif
+}
+
+}  // namespace
+}  // namespace pcie_ar::bindings
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pcie_allreduce native module: the communicator and the plan layer";
+  pcie_ar::bindings::bind_plan(m);
+  pcie_ar::bindings::bind_communicator(m);
+}

@@ -1,0 +1,442 @@
+#include "comm/communicator.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "plan/verify.h"
+#include "transport/host_shm.h"
+
+#if defined(PCIE_AR_HAVE_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "transport/cuda_ipc.h"
+#endif
+
+namespace pcie_ar::comm {
+namespace {
+
+std::optional<plan::DType> to_plan_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return plan::DType::kBF16;
+    case at::kHalf:
+      return plan::DType::kFP16;
+    case at::kFloat:
+      return plan::DType::kFP32;
+    default:
+      return std::nullopt;
+  }
+}
+
+uint64_t decision_key(plan::DType dtype, int64_t bytes) {
+  return (static_cast<uint64_t>(dtype) << 56) | static_cast<uint64_t>(bytes);
+}
+
+}  // namespace
+
+std::string_view decline_name(Decline decline) {
+  switch (decline) {
+    case Decline::kNone:
+      return "none";
+    case Decline::kDisabled:
+      return "disabled";
+    case Decline::kWorldSize:
+      return "world_size";
+    case Decline::kDtype:
+      return "dtype";
+    case Decline::kDevice:
+      return "device";
+    case Decline::kNotContiguous:
+      return "not_contiguous";
+    case Decline::kNot16ByteMultiple:
+      return "not_16_byte_multiple";
+    case Decline::kTooLarge:
+      return "too_large";
+    case Decline::kEmpty:
+      return "empty";
+    case Decline::kNvLink:
+      return "nvlink";
+    case Decline::kNoP2P:
+      return "no_p2p";
+    case Decline::kTable:
+      return "table";
+    case Decline::kMisaligned:
+      return "misaligned";
+  }
+  return "unknown";
+}
+
+// One (algorithm, direction, staged) compiled for this rank, and how much it sends each peer.
+struct Communicator::Program {
+  plan::Program encoded;
+  int cuda_id = -1;
+  std::vector<double> sent_fraction;  // per peer, as a multiple of the message
+};
+
+Communicator::Communicator(Options options) : options_(std::move(options)) {
+  table_ = options_.table_text.empty()
+               ? plan::TuningTable::embedded()
+               : plan::TuningTable::parse(options_.table_text, options_.table_source);
+  bytes_sent_.assign(std::max(options_.world, 0), 0);
+  if (options_.rank < 0 || options_.rank >= std::max(options_.world, 1)) {
+    throw std::invalid_argument("rank " + std::to_string(options_.rank) + " is outside world " +
+                                std::to_string(options_.world));
+  }
+  if (enabled() && (options_.world < 2 || options_.world > plan::kMaxWorld)) {
+    options_.disabled = Decline::kWorldSize;
+    options_.disabled_detail = "world size " + std::to_string(options_.world) + " is outside 2.." +
+                               std::to_string(plan::kMaxWorld);
+  }
+  if (options_.transport != "host" && options_.transport != "cuda") {
+    throw std::invalid_argument("transport must be 'host' or 'cuda', got '" + options_.transport +
+                                "'");
+  }
+  if (options_.dtypes.empty()) throw std::invalid_argument("at least one dtype must be admitted");
+  if (!enabled()) {
+    log(1, "disabled (" + std::string(decline_name(options_.disabled)) +
+               "): " + options_.disabled_detail + "; every all-reduce uses the fallback");
+    return;
+  }
+  int elem_bytes = 2;
+  for (plan::DType d : options_.dtypes) elem_bytes = std::max(elem_bytes, plan::dtype_bytes(d));
+  layout_ = plan::make_layout(options_.max_numel, options_.world, elem_bytes, options_.max_blocks);
+  if (options_.transport == "host") {
+    host_ = std::make_unique<transport::HostShmWorkspace>(*layout_, options_.rank,
+                                                          options_.initial_gen, options_.timeout_s);
+  } else {
+#if defined(PCIE_AR_HAVE_CUDA)
+    cuda_ = std::make_unique<transport::CudaIpcWorkspace>(*layout_, options_.rank, options_.device,
+                                                          options_.initial_gen, options_.timeout_s);
+#else
+    throw std::runtime_error(
+        "the cuda transport was requested but pcie_allreduce was built without CUDA");
+#endif
+  }
+}
+
+Communicator::~Communicator() = default;
+
+std::string Communicator::local_handle() const {
+  if (host_) return host_->name();
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) {
+    const auto bytes = cuda_->export_handle();
+    return std::string(bytes.begin(), bytes.end());
+  }
+#endif
+  return "";
+}
+
+void Communicator::connect(const std::vector<std::string>& handles) {
+  if (!enabled()) return;
+  if (static_cast<int>(handles.size()) != options_.world) {
+    throw std::invalid_argument("connect() needs one handle per rank (" +
+                                std::to_string(options_.world) + "), got " +
+                                std::to_string(handles.size()));
+  }
+  if (host_) host_->open_peers(handles);
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) {
+    std::vector<std::vector<uint8_t>> bytes;
+    for (const auto& h : handles) bytes.emplace_back(h.begin(), h.end());
+    cuda_->open_peers(bytes);
+  }
+#endif
+}
+
+void Communicator::after_all_connected() {
+  if (host_) host_->unlink_own();
+  connected_ = enabled();
+}
+
+Decline Communicator::supports(const at::Tensor& t) const {
+  if (!enabled()) return options_.disabled;
+  if (failure_) return Decline::kDisabled;
+  const auto dtype = to_plan_dtype(t.scalar_type());
+  if (!dtype ||
+      std::find(options_.dtypes.begin(), options_.dtypes.end(), *dtype) == options_.dtypes.end()) {
+    return Decline::kDtype;
+  }
+  if (options_.transport == "host" ? !t.device().is_cpu()
+                                   : !(t.is_cuda() && t.device().index() == options_.device)) {
+    return Decline::kDevice;
+  }
+  if (!t.is_contiguous()) return Decline::kNotContiguous;
+  if (t.numel() == 0) return Decline::kEmpty;
+  if ((t.numel() * plan::dtype_bytes(*dtype)) % plan::kVectorBytes != 0) {
+    return Decline::kNot16ByteMultiple;
+  }
+  if (t.numel() > options_.max_numel) return Decline::kTooLarge;
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % plan::kVectorBytes != 0) {
+    return Decline::kMisaligned;
+  }
+  if (!connected_) return Decline::kDisabled;
+  return Decline::kNone;
+}
+
+Decline Communicator::decline_reason(const at::Tensor& t) {
+  const Decline d = supports(t);
+  if (d != Decline::kNone) return d;
+  const auto dtype = *to_plan_dtype(t.scalar_type());
+  return decide(dtype, t.numel() * plan::dtype_bytes(dtype)).fallback ? Decline::kTable
+                                                                      : Decline::kNone;
+}
+
+std::string Communicator::chosen_tactic(const at::Tensor& t) {
+  if (decline_reason(t) != Decline::kNone) return "fallback";
+  const auto dtype = *to_plan_dtype(t.scalar_type());
+  return plan::tactic_label(decide(dtype, t.numel() * plan::dtype_bytes(dtype)).tactic);
+}
+
+std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& row) const {
+  const plan::Tactic& t = row.tactic;
+  if (auto why = plan::why_unsupported(t.algorithm, options_.world, options_.island_of)) {
+    return why;
+  }
+  if (t.blocks > layout_->max_blocks) {
+    return "blocks " + std::to_string(t.blocks) + " exceeds the workspace's " +
+           std::to_string(layout_->max_blocks);
+  }
+  if (options_.transport == "cuda" && (t.threads % 32 != 0 || t.threads > 1024)) {
+    return "threads " + std::to_string(t.threads) + " is not a multiple of 32 in 32..1024";
+  }
+  return std::nullopt;
+}
+
+Communicator::Program& Communicator::program_for(const plan::Tactic& tactic) {
+  const auto key = std::make_tuple(static_cast<int>(tactic.algorithm),
+                                   static_cast<int>(tactic.direction), tactic.staged ? 1 : 0);
+  auto it = programs_.find(key);
+  if (it != programs_.end()) return *it->second;
+  const plan::Schedule schedule = plan::build_schedule(
+      tactic.algorithm, tactic.direction, tactic.staged, options_.world, options_.island_of);
+  const plan::Verification v = plan::verify(schedule);
+  if (!v.ok) {  // the builders are proven in CI; refuse rather than run something unproven
+    throw std::logic_error("schedule " + plan::tactic_label(tactic) +
+                           " failed verification: " + v.errors.front());
+  }
+  auto program = std::make_unique<Program>();
+  program->encoded = plan::encode_program(schedule, options_.rank);
+  program->sent_fraction = v.sent_to[options_.rank];
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) program->cuda_id = cuda_->add_program(program->encoded);
+#endif
+  return *programs_.emplace(key, std::move(program)).first->second;
+}
+
+Communicator::Decision& Communicator::decide(plan::DType dtype, int64_t bytes) {
+  const uint64_t key = decision_key(dtype, bytes);
+  auto it = decisions_.find(key);
+  if (it != decisions_.end()) return it->second;
+  const plan::TableChoice choice =
+      table_.choose(options_.topology_key, options_.world, dtype, bytes,
+                    [this](const plan::TableRow& row) { return why_not_runnable(row); });
+  for (const auto& [line, why] : choice.skipped) {
+    log(1, table_.source() + " line " + std::to_string(line) + " skipped: " + why);
+  }
+  Decision d;
+  d.fallback = choice.fallback;
+  if (!d.fallback) {
+    d.tactic = choice.tactic;
+    d.program = &program_for(d.tactic);
+    d.signature = plan::call_signature(dtype, d.tactic);
+    d.calls = &calls_[plan::tactic_label(d.tactic)];
+  }
+  return decisions_.emplace(key, d).first->second;
+}
+
+void Communicator::note_decline(Decline decline, const at::Tensor& t) {
+  const auto index = static_cast<size_t>(decline);
+  ++declines_[index];
+  if (decline_logged_[index]) return;
+  decline_logged_[index] = true;
+  std::string shape = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) shape += (i ? ", " : "") + std::to_string(t.size(i));
+  shape += "]";
+  log(1, "declines a " + std::string(c10::toString(t.scalar_type())) + " tensor of shape " + shape +
+             " on " + t.device().str() + " (" + std::string(decline_name(decline)) +
+             (decline == Decline::kDisabled && !options_.disabled_detail.empty()
+                  ? ": " + options_.disabled_detail
+                  : "") +
+             ") and uses the fallback; later declines for this reason are only counted in "
+             "stats()['declines']");
+}
+
+void Communicator::run_fallback(const at::Tensor& inp, at::Tensor& out) {
+  if (options_.group_name.empty()) {
+    throw std::runtime_error("pcie_allreduce has no process group to fall back to");
+  }
+  if (!out.is_same(inp)) out.copy_(inp);
+  // The group's own all-reduce (NCCL on GPUs, gloo on CPUs) through c10d's functional ops: the
+  // same communicator the engine already uses, traceable, and safe under graph capture.
+  static const c10::OperatorHandle& all_reduce =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce_", "");
+  static const c10::OperatorHandle& wait =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  torch::jit::Stack stack{out, std::string("sum"), options_.group_name};
+  all_reduce.callBoxed(&stack);
+  stack = {out};
+  wait.callBoxed(&stack);
+}
+
+void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
+  if (failure_) {
+    throw std::runtime_error(std::string(kFailurePrefix) + failure_message_ +
+                             " (this communicator failed earlier; recreate it on every rank)");
+  }
+  Decline decline = supports(inp);
+  if (decline == Decline::kNone && !out.is_same(inp)) {
+    if (out.scalar_type() != inp.scalar_type() || !out.sizes().equals(inp.sizes()) ||
+        supports(out) != Decline::kNone) {
+      throw std::invalid_argument(
+          "out must be a contiguous, 16-byte aligned tensor with the input's dtype, shape and "
+          "device");
+    }
+  }
+  const auto dtype = to_plan_dtype(inp.scalar_type());
+  Decision* decision = nullptr;
+  if (decline == Decline::kNone) {
+    decision = &decide(*dtype, inp.numel() * plan::dtype_bytes(*dtype));
+    if (decision->fallback) decline = Decline::kTable;
+  }
+  if (decline != Decline::kNone) {
+    note_decline(decline, inp);
+    ++calls_["fallback"];
+    run_fallback(inp, out);
+    return;
+  }
+  const int64_t numel = inp.numel();
+  const Program& program = *decision->program;
+  if (host_) {
+    try {
+      host_->run(program.encoded, *dtype, decision->tactic.blocks, inp.data_ptr(), out.data_ptr(),
+                 numel, decision->signature);
+    } catch (const transport::TransportFailure& e) {
+      fail(e.diagnostic(), e.what());
+    }
+  }
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) {
+    raise_if_failed();
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(options_.device));
+    cuda_->launch(
+        program.cuda_id, *dtype, decision->tactic, inp.data_ptr(), out.data_ptr(), numel,
+        decision->signature,
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(options_.device)).stream());
+  }
+#endif
+  ++*decision->calls;
+  const double bytes = static_cast<double>(numel * plan::dtype_bytes(*dtype));
+  for (size_t p = 0; p < program.sent_fraction.size(); ++p) {
+    bytes_sent_[p] += static_cast<int64_t>(program.sent_fraction[p] * bytes);
+  }
+}
+
+void Communicator::fail(const plan::Diagnostic& diagnostic, const std::string& message) {
+  failure_ = diagnostic;
+  failure_message_ = message;
+  throw std::runtime_error(std::string(kFailurePrefix) + message);
+}
+
+void Communicator::raise_if_failed() {
+  if (failure_) {
+    throw std::runtime_error(std::string(kFailurePrefix) + failure_message_);
+  }
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) {
+    if (auto d = cuda_->failure()) fail(*d, plan::describe_failure(*d, options_.timeout_s));
+  }
+#endif
+}
+
+std::optional<plan::Diagnostic> Communicator::failure() const {
+  if (failure_) return failure_;
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) return cuda_->failure();
+#endif
+  return std::nullopt;
+}
+
+void Communicator::close_peers() {
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) cuda_->close_peers();
+#endif
+}
+
+void Communicator::release() {
+  if (released_) return;
+  released_ = true;
+  connected_ = false;
+  host_.reset();
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_) cuda_->free_slab();
+  cuda_.reset();
+#endif
+  if (enabled()) {
+    options_.disabled = Decline::kDisabled;
+    options_.disabled_detail = "destroy() was called";
+  }
+}
+
+Stats Communicator::stats() const {
+  Stats s;
+  for (const auto& [label, count] : calls_) {
+    if (count) s.calls[label] = count;  // decisions made but never run stay out
+  }
+  for (size_t i = 0; i < declines_.size(); ++i) {
+    if (declines_[i]) s.declines[std::string(decline_name(static_cast<Decline>(i)))] = declines_[i];
+  }
+  s.bytes_sent_per_peer = bytes_sent_;
+  return s;
+}
+
+uint64_t Communicator::layout_hash() const { return layout_ ? plan::layout_hash(*layout_) : 0; }
+
+int64_t Communicator::workspace_bytes() const {
+  return layout_ && !released_ ? static_cast<int64_t>(layout_->total_bytes) : 0;
+}
+
+void Communicator::log(int level, const std::string& message) const {
+  if (options_.log_level < level) return;
+  std::fprintf(stderr, "[pcie_allreduce] rank %d: %s\n", options_.rank, message.c_str());
+}
+
+namespace {
+std::mutex registry_mutex;
+std::unordered_map<int64_t, std::shared_ptr<Communicator>>& registry() {
+  static auto* map = new std::unordered_map<int64_t, std::shared_ptr<Communicator>>();
+  return *map;
+}
+int64_t next_handle = 1;
+}  // namespace
+
+int64_t register_communicator(std::shared_ptr<Communicator> communicator) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const int64_t handle = next_handle++;
+  registry()[handle] = std::move(communicator);
+  return handle;
+}
+
+std::shared_ptr<Communicator> lookup_communicator(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find(handle);
+  if (it == registry().end()) {
+    throw std::invalid_argument("no pcie_allreduce communicator has handle " +
+                                std::to_string(handle) + " (was it destroyed?)");
+  }
+  return it->second;
+}
+
+void unregister_communicator(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().erase(handle);
+}
+
+}  // namespace pcie_ar::comm

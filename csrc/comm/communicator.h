@@ -1,0 +1,166 @@
+// The Communicator: one per process group. It owns the workspace (fixed at construction and
+// sized for decode), the supports() gate, the tuning-table decision and the fallback, and
+// counts every call and every decline. Transport-agnostic: the host_shm transport serves CPU
+// tensors, the cuda_ipc transport CUDA tensors.
+//
+// Bootstrap is driven from Python, which owns the process group:
+//   Communicator c(options);             // allocates this rank's workspace
+//   handles = all_gather(c.local_handle())
+//   c.connect(handles); barrier; c.after_all_connected();   // peers mapped, names unlinked
+// Teardown is collective too: close_peers(); barrier; release().
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "plan/layout.h"
+#include "plan/protocol.h"
+#include "plan/schedule.h"
+#include "plan/tactic.h"
+#include "plan/tuning_table.h"
+
+namespace pcie_ar::transport {
+class HostShmWorkspace;
+class CudaIpcWorkspace;
+}  // namespace pcie_ar::transport
+
+namespace pcie_ar::comm {
+
+// Why a tensor does not go to the kernels. Explicit and append-only: the names reach stats(),
+// logs and users' dashboards.
+enum class Decline : uint8_t {
+  kNone = 0,           // the kernels run it
+  kDisabled = 1,       // the backend is off (env flag, handshake disagreement, earlier failure)
+  kWorldSize = 2,      // world size outside 2..8
+  kDtype = 3,          // not bf16/fp16/fp32 or not in the admitted set
+  kDevice = 4,         // not on this communicator's device
+  kNotContiguous = 5,  // strided view
+  kNot16ByteMultiple = 6,
+  kTooLarge = 7,  // numel > max_numel: prefill-sized, NCCL's ring territory
+  kEmpty = 8,
+  kNvLink = 9,       // NVLink peers: the engine's own custom all-reduce is faster
+  kNoP2P = 10,       // a pair failed the write-and-verify P2P test
+  kTable = 11,       // the tuning table chose the fallback for this size
+  kMisaligned = 12,  // data pointer not 16-byte aligned
+};
+std::string_view decline_name(Decline decline);
+
+struct Options {
+  int rank = 0;
+  int world = 0;
+  int64_t max_numel = 0;
+  std::vector<plan::DType> dtypes = {plan::DType::kBF16, plan::DType::kFP16, plan::DType::kFP32};
+  std::string transport = "host";  // "host" or "cuda"
+  int device = -1;                 // CUDA device index (cuda transport)
+  double timeout_s = 30.0;         // every wait's deadline; 0 = forever
+  uint32_t initial_gen = 0;        // tests start near 2^32 to cross the wrap
+  int max_blocks = plan::kDefaultMaxBlocks;
+  std::string topology_key = "flat";  // what the table's topology column matches
+  std::vector<int> island_of;         // rank -> island; empty = flat
+  std::string table_text;             // CSV; empty = the embedded seed table
+  std::string table_source = "embedded seed table";
+  std::string group_name;             // c10d group the fallback runs on
+  Decline disabled = Decline::kNone;  // set when the backend must not run (handshake, NVLink)
+  std::string disabled_detail;
+  int log_level = 1;  // 0 silent, 1 one line per decline reason and skipped row, 2 verbose
+};
+
+struct Stats {
+  std::map<std::string, int64_t> calls;     // tactic label (or "fallback") -> count
+  std::map<std::string, int64_t> declines;  // decline name -> count
+  std::vector<int64_t> bytes_sent_per_peer;
+};
+
+class Communicator {
+ public:
+  explicit Communicator(Options options);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  std::string local_handle() const;
+  void connect(const std::vector<std::string>& handles);
+  void after_all_connected();
+
+  // Can the kernels run this exact tensor? Never throws.
+  Decline supports(const at::Tensor& t) const;
+  // supports() and then the table: kTable when the table chose the fallback.
+  Decline decline_reason(const at::Tensor& t);
+  // Tactic label the table picks for this tensor, or "fallback".
+  std::string chosen_tactic(const at::Tensor& t);
+
+  // Always the correct sum: kernels when admitted and chosen, the group's all-reduce otherwise.
+  // `out` may be `inp` (in place). A declined input is never modified.
+  void all_reduce(const at::Tensor& inp, at::Tensor& out);
+
+  void close_peers();  // collective teardown, step 1
+  void release();      // step 2, after a barrier
+
+  Stats stats() const;
+  const Options& options() const { return options_; }
+  bool enabled() const { return options_.disabled == Decline::kNone; }
+  uint64_t table_hash() const { return table_.hash(); }
+  uint64_t layout_hash() const;
+  int64_t workspace_bytes() const;
+  // The failure that disabled this communicator, if any (timeouts, peer disagreement).
+  std::optional<plan::Diagnostic> failure() const;
+  // Polls the transport for a failure recorded asynchronously (CUDA kernels) and raises it.
+  void raise_if_failed();
+
+ private:
+  struct Program;  // one compiled (algorithm, direction, staged) for this rank
+  struct Decision {
+    bool fallback = true;
+    plan::Tactic tactic;
+    Program* program = nullptr;
+    uint32_t signature = 0;
+    int64_t* calls = nullptr;  // counter for this tactic
+  };
+
+  Decision& decide(plan::DType dtype, int64_t bytes);
+  Program& program_for(const plan::Tactic& tactic);
+  std::optional<std::string> why_not_runnable(const plan::TableRow& row) const;
+  void run_fallback(const at::Tensor& inp, at::Tensor& out);
+  void note_decline(Decline decline, const at::Tensor& t);
+  [[noreturn]] void fail(const plan::Diagnostic& diagnostic, const std::string& message);
+  void log(int level, const std::string& message) const;
+
+  Options options_;
+  plan::TuningTable table_;
+  std::optional<plan::Layout> layout_;
+  std::unique_ptr<transport::HostShmWorkspace> host_;
+#if defined(PCIE_AR_HAVE_CUDA)
+  std::unique_ptr<transport::CudaIpcWorkspace> cuda_;
+#endif
+  std::map<std::tuple<int, int, int>, std::unique_ptr<Program>> programs_;
+  std::unordered_map<uint64_t, Decision> decisions_;
+  std::map<std::string, int64_t> calls_;
+  std::array<int64_t, 16> declines_{};
+  std::array<bool, 16> decline_logged_{};
+  std::vector<int64_t> bytes_sent_;
+  std::optional<plan::Diagnostic> failure_;
+  std::string failure_message_;
+  bool connected_ = false;
+  bool released_ = false;
+};
+
+// Communicators reachable from the torch ops by an integer handle.
+int64_t register_communicator(std::shared_ptr<Communicator> communicator);
+std::shared_ptr<Communicator> lookup_communicator(int64_t handle);
+void unregister_communicator(int64_t handle);
+
+// Prefix of every error message that a timeout or peer disagreement raises; the Python layer
+// turns such errors into pcie_allreduce.PcieAllReduceTimeout.
+inline constexpr std::string_view kFailurePrefix = "PcieAllReduceTimeout: ";
+
+}  // namespace pcie_ar::comm

@@ -1,0 +1,93 @@
+// The byte layout of one rank's workspace and how a message is cut into chunks and slices.
+// Every rank computes the same layout from the same (max_numel, world, dtype, max_blocks), and
+// the construction handshake checks that they agree, so peers can address each other's slabs.
+//
+//   [generation counters: uint32 per block]          128-byte aligned
+//   [flags: FlagWord[2 parities][max_blocks][num_flags]]
+//   [data:  slot_bytes[2 parities][num_slots]]       each slot holds a whole message
+#pragma once
+
+#include <cstdint>
+
+#include "plan/host_device.h"
+#include "plan/protocol.h"
+#include "plan/step.h"
+#include "plan/tactic.h"
+
+namespace pcie_ar::plan {
+
+inline constexpr int kVectorBytes = 16;  // every access is one 16-byte vector
+inline constexpr int kAlignBytes = 128;
+inline constexpr int kDefaultMaxBlocks = 64;
+inline constexpr int kFlagsPerWriter = 4;  // signals one rank sends into one flag array per call
+
+// Slot roles. Slot s < world holds rank s's contribution; the rest have one job each.
+PCIE_AR_HD int slot_from_rank(int rank) { return rank; }
+PCIE_AR_HD int slot_staged_input(int world) { return world; }  // pull: own input, readable
+PCIE_AR_HD int slot_partial(int world) { return world + 1; }   // this rank's island sum
+PCIE_AR_HD int slot_gather(int world) { return world + 2; }    // reduced chunks, all-gathered
+PCIE_AR_HD int num_slots_for(int world) { return world + 3; }
+PCIE_AR_HD int num_flags_for(int world) { return world * kFlagsPerWriter; }
+
+struct Layout {
+  int64_t max_numel = 0;
+  int world = 0;
+  int elem_bytes = 0;  // widest dtype the workspace must hold
+  int max_blocks = 0;
+  int num_slots = 0;
+  int num_flags = 0;
+  uint64_t gen_offset = 0;
+  uint64_t flags_offset = 0;
+  uint64_t flag_parity_stride = 0;
+  uint64_t flag_block_stride = 0;
+  uint64_t data_offset = 0;
+  uint64_t slot_bytes = 0;
+  uint64_t data_parity_stride = 0;
+  uint64_t control_bytes = 0;  // gen counters + flags: what initialisation writes
+  uint64_t total_bytes = 0;
+
+  PCIE_AR_HD uint64_t gen_counter_offset(int block) const {
+    return gen_offset + static_cast<uint64_t>(block) * sizeof(uint32_t);
+  }
+  PCIE_AR_HD uint64_t flag_offset(int parity, int block, int flag) const {
+    return flags_offset + static_cast<uint64_t>(parity) * flag_parity_stride +
+           static_cast<uint64_t>(block) * flag_block_stride +
+           static_cast<uint64_t>(flag) * sizeof(FlagWord);
+  }
+  PCIE_AR_HD uint64_t slot_offset(int parity, int slot) const {
+    return data_offset + static_cast<uint64_t>(parity) * data_parity_stride +
+           static_cast<uint64_t>(slot) * slot_bytes;
+  }
+  bool operator==(const Layout&) const = default;
+};
+
+// Throws std::invalid_argument naming the bad value and the accepted range.
+Layout make_layout(int64_t max_numel, int world, int elem_bytes,
+                   int max_blocks = kDefaultMaxBlocks);
+
+// Writes the control area of a fresh workspace: every generation counter and every flag set
+// to `initial_gen`, so the first call expects initial_gen + 1 (tests start near 2^32 to cross
+// the wrap). `control` points at control_bytes bytes.
+void initialize_control(void* control, const Layout& layout, uint32_t initial_gen);
+
+// Stable text for the cross-rank handshake and the tests.
+uint64_t layout_hash(const Layout& layout);
+
+// Half-open range of 16-byte vectors.
+struct VecRange {
+  int64_t begin;
+  int64_t end;
+};
+
+// The vectors of chunk `chunk` of `num_chunks` that block `block` of `num_blocks` owns.
+// Chunks and slices are split as evenly as whole vectors allow; every vector belongs to
+// exactly one (chunk, block).
+PCIE_AR_HD VecRange slice_range(int64_t num_vecs, int num_chunks, int chunk, int num_blocks,
+                                int block) {
+  const int64_t c0 = num_vecs * chunk / num_chunks;
+  const int64_t c1 = num_vecs * (chunk + 1) / num_chunks;
+  const int64_t len = c1 - c0;
+  return VecRange{c0 + len * block / num_blocks, c0 + len * (block + 1) / num_blocks};
+}
+
+}  // namespace pcie_ar::plan

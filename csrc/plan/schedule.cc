@@ -1,0 +1,495 @@
+#include "plan/schedule.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+#include "plan/layout.h"
+
+namespace pcie_ar::plan {
+namespace {
+
+BufRef input_of(int rank) { return BufRef{Space::kInput, static_cast<uint8_t>(rank), 0, 0}; }
+BufRef output_of(int rank) { return BufRef{Space::kOutput, static_cast<uint8_t>(rank), 0, 0}; }
+BufRef slot_of(int owner, int slot) {
+  return BufRef{Space::kSlot, static_cast<uint8_t>(owner), static_cast<uint8_t>(slot), 0};
+}
+
+// Flag `phase` that `writer` raises; one writer per (flag array, index) by construction.
+int flag_id(int writer, int phase) { return writer * kFlagsPerWriter + phase; }
+
+// A group of ranks that exchange among themselves (all ranks, or one island), with the
+// rotation that staging uses: in stage s the member at index i sends to index i+s and
+// receives from index i-s, so every stage's peer map is a permutation.
+struct Group {
+  std::vector<int> members;  // ascending ranks
+
+  int size() const { return static_cast<int>(members.size()); }
+  int index_of(int rank) const {
+    return static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+  }
+  int to(int rank, int s) const { return members[(index_of(rank) + s) % size()]; }
+  int from(int rank, int s) const { return members[(index_of(rank) - s + size()) % size()]; }
+};
+
+class Builder {
+ public:
+  Builder(Algorithm algorithm, Direction direction, bool staged, int world,
+          std::vector<int> island_of, int num_chunks) {
+    s_.algorithm = algorithm;
+    s_.direction = direction;
+    s_.staged = staged;
+    s_.world = world;
+    s_.num_chunks = num_chunks;
+    s_.island_of = std::move(island_of);
+    s_.programs.resize(world);
+  }
+
+  int world() const { return s_.world; }
+  bool staged() const { return s_.staged; }
+  bool push() const { return s_.direction == Direction::kPush; }
+
+  void reduce(int rank, int chunk, BufRef dst, const std::vector<BufRef>& srcs) {
+    Step step;
+    step.kind = StepKind::kReduce;
+    step.chunk = static_cast<uint8_t>(chunk);
+    step.num_srcs = static_cast<uint8_t>(srcs.size());
+    step.dst = dst;
+    std::copy(srcs.begin(), srcs.end(), step.srcs);
+    emit(rank, step);
+  }
+  void copy(int rank, int chunk, BufRef dst, BufRef src) { reduce(rank, chunk, dst, {src}); }
+
+  // `rank` raises its flag `phase` in the flag array of `owner` (a peer in push, itself in
+  // pull), telling `owner` (or whoever reads rank's slots) that the data is in place.
+  void signal(int rank, int owner, int phase) {
+    Step step;
+    step.kind = StepKind::kSignal;
+    step.peer = static_cast<uint8_t>(owner);
+    step.flag_owner = static_cast<uint8_t>(owner);
+    step.flag = static_cast<uint8_t>(flag_id(rank, phase));
+    emit(rank, step);
+  }
+
+  // `rank` waits for `writer`'s flag `phase`: in its own array (push) or in the writer's (pull).
+  void wait(int rank, int writer, int phase) {
+    Step step;
+    step.kind = StepKind::kWait;
+    step.peer = static_cast<uint8_t>(writer);
+    step.flag_owner = static_cast<uint8_t>(push() ? rank : writer);
+    step.flag = static_cast<uint8_t>(flag_id(writer, phase));
+    emit(rank, step);
+  }
+
+  void next_stage() { ++stage_; }
+
+  // One exchange phase inside groups (all ranks, or each island). Every rank r delivers
+  // chunk `chunk(r, p)` to each peer p of its group. Push: r copies `push_src(r)` into slot
+  // `landing(r)` of p and raises its flag `phase` there. Pull: r must already have published
+  // the data in its own slot `published` and raised its own flag `phase`; p waits for it and,
+  // when `fetch`, copies it into its own slot `landing(r)`. Staged: one peer per stage.
+  // `on_recv(r, q)` runs on r once q's data is readable at received(r, q).
+  struct Phase {
+    int phase = 0;
+    std::function<int(int, int)> chunk;
+    std::function<BufRef(int)> push_src;
+    std::function<int(int)> landing;
+    int published = 0;
+    bool fetch = false;
+    std::function<void(int, int)> on_recv = [](int, int) {};
+  };
+
+  // Where rank r reads what q delivered in `phase`.
+  BufRef received(const Phase& phase, int r, int q) const {
+    if (push() || phase.fetch) return slot_of(r, phase.landing(q));
+    return slot_of(q, phase.published);
+  }
+
+  void exchange(const std::vector<Group>& group_of, const Phase& phase) {
+    const int n = group_of[0].size();
+    auto send = [&](int r, int p) {
+      copy(r, phase.chunk(r, p), slot_of(p, phase.landing(r)), phase.push_src(r));
+      signal(r, p, phase.phase);
+    };
+    auto recv = [&](int r, int q) {
+      wait(r, q, phase.phase);
+      if (!push() && phase.fetch) {
+        copy(r, phase.chunk(q, r), slot_of(r, phase.landing(q)), slot_of(q, phase.published));
+      }
+      phase.on_recv(r, q);
+    };
+    if (staged()) {
+      for (int s = 1; s < n; ++s) {
+        if (s > 1) next_stage();
+        for (int r = 0; r < world(); ++r) {
+          if (push()) send(r, group_of[r].to(r, s));
+          recv(r, group_of[r].from(r, s));
+        }
+      }
+    } else {
+      for (int r = 0; r < world(); ++r) {
+        if (push()) {
+          for (int s = 1; s < n; ++s) send(r, group_of[r].to(r, s));
+        }
+        for (int s = 1; s < n; ++s) recv(r, group_of[r].from(r, s));
+      }
+    }
+  }
+
+  int num_chunks() const { return s_.num_chunks; }
+
+  Schedule finish() {
+    s_.num_stages = 0;
+    for (const auto& program : s_.programs) {
+      for (const Step& step : program) s_.num_stages = std::max(s_.num_stages, step.stage + 1);
+    }
+    return std::move(s_);
+  }
+
+ private:
+  void emit(int rank, Step step) {
+    step.stage = static_cast<uint8_t>(stage_);
+    s_.programs[rank].push_back(step);
+  }
+
+  Schedule s_;
+  int stage_ = 0;
+};
+
+// Operands of a sum over `members` in ascending rank order: `own` for r, `other(q)` for peers.
+template <typename Other>
+std::vector<BufRef> in_rank_order(int r, const std::vector<int>& members, BufRef own, Other other) {
+  std::vector<BufRef> srcs;
+  for (int q : members) srcs.push_back(q == r ? own : other(q));
+  return srcs;
+}
+
+std::vector<int> all_ranks(int world) {
+  std::vector<int> ranks(world);
+  for (int r = 0; r < world; ++r) ranks[r] = r;
+  return ranks;
+}
+
+struct Islands {
+  std::vector<Group> group_of;  // per rank: its island
+  std::vector<int> partner;     // per rank: same index in the other island
+  std::vector<int> index;       // per rank: index within its island
+};
+
+Islands split_islands(const std::vector<int>& island_of) {
+  const int world = static_cast<int>(island_of.size());
+  Group islands[2];
+  for (int r = 0; r < world; ++r)
+    islands[island_of[r] == island_of[0] ? 0 : 1].members.push_back(r);
+  Islands out;
+  out.group_of.resize(world);
+  out.partner.resize(world);
+  out.index.resize(world);
+  for (int side = 0; side < 2; ++side) {
+    for (int i = 0; i < islands[side].size(); ++i) {
+      const int r = islands[side].members[i];
+      out.group_of[r] = islands[side];
+      out.partner[r] = islands[1 - side].members[i];
+      out.index[r] = i;
+    }
+  }
+  return out;
+}
+
+// Island 0 is the one holding rank 0: its partial is summed first on every rank.
+std::vector<BufRef> island_order(int r, const std::vector<int>& island_of, BufRef own,
+                                 BufRef partners) {
+  return island_of[r] == island_of[0] ? std::vector<BufRef>{own, partners}
+                                      : std::vector<BufRef>{partners, own};
+}
+
+// Pull: each rank copies the chunks its peers will read into its own `slot`, then raises its
+// flag `phase` once for all of them.
+void publish(Builder& b, const std::function<bool(int, int)>& needed, int num_chunks, int slot,
+             int phase) {
+  for (int r = 0; r < b.world(); ++r) {
+    for (int c = 0; c < num_chunks; ++c) {
+      if (needed(r, c)) b.copy(r, c, slot_of(r, slot), input_of(r));
+    }
+    b.signal(r, r, phase);
+  }
+}
+
+// Every rank receives every input and sums the whole message in rank order.
+Schedule build_oneshot(Builder b) {
+  const int W = b.world();
+  const std::vector<Group> everyone(W, Group{all_ranks(W)});
+  Builder::Phase in;
+  in.phase = 0;
+  in.chunk = [](int, int) { return 0; };
+  in.push_src = input_of;
+  in.landing = slot_from_rank;
+  in.published = slot_staged_input(W);
+  in.fetch = b.staged();  // staged pull copies one peer per stage; unstaged reads in the sum
+  if (!b.push())
+    publish(
+        b, [](int, int) { return true; }, 1, in.published, in.phase);
+  b.exchange(everyone, in);
+  for (int r = 0; r < W; ++r) {
+    b.reduce(r, 0, output_of(r), in_rank_order(r, everyone[r].members, input_of(r), [&](int q) {
+               return b.received(in, r, q);
+             }));
+  }
+  return b.finish();
+}
+
+// Reduce-scatter (rank c owns chunk c), then all-gather.
+Schedule build_twoshot(Builder b) {
+  const int W = b.world();
+  const std::vector<Group> everyone(W, Group{all_ranks(W)});
+  const int gather = slot_gather(W);
+  Builder::Phase rs;
+  rs.phase = 0;
+  rs.chunk = [](int, int owner) { return owner; };
+  rs.push_src = input_of;
+  rs.landing = slot_from_rank;
+  rs.published = slot_staged_input(W);
+  rs.fetch = b.staged();
+  if (!b.push())
+    publish(
+        b, [](int r, int c) { return c != r; }, W, rs.published, rs.phase);
+  b.exchange(everyone, rs);
+  for (int r = 0; r < W; ++r) {
+    auto srcs = in_rank_order(r, everyone[r].members, input_of(r),
+                              [&](int q) { return b.received(rs, r, q); });
+    if (b.push()) {
+      b.reduce(r, r, output_of(r), srcs);
+    } else {  // peers read the reduced chunk from a slot
+      b.reduce(r, r, slot_of(r, gather), srcs);
+      b.signal(r, r, 1);
+      b.copy(r, r, output_of(r), slot_of(r, gather));
+    }
+  }
+  b.next_stage();
+  Builder::Phase ag;
+  ag.phase = 1;
+  ag.chunk = [](int owner, int) { return owner; };
+  ag.push_src = output_of;
+  ag.landing = [gather](int) { return gather; };
+  ag.published = gather;
+  ag.on_recv = [&](int r, int q) { b.copy(r, q, output_of(r), b.received(ag, r, q)); };
+  b.exchange(everyone, ag);
+  return b.finish();
+}
+
+std::vector<Group> partner_pairs(const Islands& isl) {
+  std::vector<Group> pairs;
+  for (int r = 0; r < static_cast<int>(isl.partner.size()); ++r) {
+    pairs.push_back(Group{{std::min(r, isl.partner[r]), std::max(r, isl.partner[r])}});
+  }
+  return pairs;
+}
+
+// Oneshot inside each island, then partners swap island sums: N elements cross per partner pair.
+Schedule build_island_oneshot(Builder b, const std::vector<int>& island_of) {
+  const int W = b.world();
+  const Islands isl = split_islands(island_of);
+  const int partial = slot_partial(W);
+  Builder::Phase in;
+  in.phase = 0;
+  in.chunk = [](int, int) { return 0; };
+  in.push_src = input_of;
+  in.landing = slot_from_rank;
+  in.published = slot_staged_input(W);
+  in.fetch = b.staged();
+  if (!b.push())
+    publish(
+        b, [](int, int) { return true; }, 1, in.published, in.phase);
+  b.exchange(isl.group_of, in);
+  for (int r = 0; r < W; ++r) {
+    b.reduce(r, 0, slot_of(r, partial),
+             in_rank_order(r, isl.group_of[r].members, input_of(r),
+                           [&](int q) { return b.received(in, r, q); }));
+    if (!b.push()) b.signal(r, r, 1);
+  }
+  b.next_stage();
+  Builder::Phase cross;
+  cross.phase = 1;
+  cross.chunk = [](int, int) { return 0; };
+  cross.push_src = [partial](int r) { return slot_of(r, partial); };
+  cross.landing = slot_from_rank;
+  cross.published = partial;
+  b.exchange(partner_pairs(isl), cross);
+  for (int r = 0; r < W; ++r) {
+    b.reduce(r, 0, output_of(r),
+             island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])));
+  }
+  return b.finish();
+}
+
+// Island reduce-scatter (island index i owns chunk i), partners swap their reduced chunk
+// (1/k of the message each: N elements cross each way in all), island all-gather.
+Schedule build_island_twoshot(Builder b, const std::vector<int>& island_of) {
+  const int W = b.world();
+  const Islands isl = split_islands(island_of);
+  const int partial = slot_partial(W);
+  const int gather = slot_gather(W);
+  const auto& index = isl.index;
+  Builder::Phase rs;
+  rs.phase = 0;
+  rs.chunk = [&](int, int owner) { return index[owner]; };
+  rs.push_src = input_of;
+  rs.landing = slot_from_rank;
+  rs.published = slot_staged_input(W);
+  rs.fetch = b.staged();
+  if (!b.push()) {
+    publish(
+        b, [&](int r, int c) { return c != index[r]; }, b.num_chunks(), rs.published, rs.phase);
+  }
+  b.exchange(isl.group_of, rs);
+  for (int r = 0; r < W; ++r) {
+    b.reduce(r, index[r], slot_of(r, partial),
+             in_rank_order(r, isl.group_of[r].members, input_of(r),
+                           [&](int q) { return b.received(rs, r, q); }));
+    if (!b.push()) b.signal(r, r, 1);
+  }
+  b.next_stage();
+  Builder::Phase cross;
+  cross.phase = 1;
+  cross.chunk = [&](int sender, int) { return index[sender]; };
+  cross.push_src = [partial](int r) { return slot_of(r, partial); };
+  cross.landing = slot_from_rank;
+  cross.published = partial;
+  b.exchange(partner_pairs(isl), cross);
+  for (int r = 0; r < W; ++r) {
+    auto srcs =
+        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r]));
+    if (b.push()) {
+      b.reduce(r, index[r], output_of(r), srcs);
+    } else {
+      b.reduce(r, index[r], slot_of(r, gather), srcs);
+      b.signal(r, r, 2);
+      b.copy(r, index[r], output_of(r), slot_of(r, gather));
+    }
+  }
+  b.next_stage();
+  Builder::Phase ag;
+  ag.phase = 2;
+  ag.chunk = [&](int owner, int) { return index[owner]; };
+  ag.push_src = output_of;
+  ag.landing = [gather](int) { return gather; };
+  ag.published = gather;
+  ag.on_recv = [&](int r, int q) { b.copy(r, index[q], output_of(r), b.received(ag, r, q)); };
+  b.exchange(isl.group_of, ag);
+  return b.finish();
+}
+}  // namespace
+
+std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
+                                           const std::vector<int>& island_of) {
+  if (world < 2 || world > kMaxWorld) {
+    return "world size " + std::to_string(world) + " is outside 2.." + std::to_string(kMaxWorld);
+  }
+  if (!island_of.empty() && static_cast<int>(island_of.size()) != world) {
+    return "island map has " + std::to_string(island_of.size()) + " entries for world size " +
+           std::to_string(world);
+  }
+  if (!is_island_algorithm(algorithm)) return std::nullopt;
+  if (island_of.empty()) return std::string("no islands: the topology is flat");
+  std::vector<int> ids(island_of);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  if (ids.size() != 2) {
+    return "island algorithms need exactly two islands, found " + std::to_string(ids.size());
+  }
+  const auto first = std::count(island_of.begin(), island_of.end(), ids[0]);
+  if (first * 2 != world) {
+    return "islands are uneven (" + std::to_string(first) + " and " +
+           std::to_string(world - first) + " ranks); island algorithms need two equal islands";
+  }
+  if (first < 2) return std::string("islands of one rank have nothing to reduce inside");
+  return std::nullopt;
+}
+
+}  // namespace pcie_ar::plan
+
+namespace pcie_ar::plan {
+
+Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, int world,
+                        const std::vector<int>& island_of) {
+  if (auto why = why_unsupported(algorithm, world, island_of)) {
+    throw UnsupportedSchedule(std::string(algorithm_name(algorithm)) + " for world " +
+                              std::to_string(world) + ": " + *why);
+  }
+  std::vector<int> islands = island_of.empty() ? std::vector<int>(world, 0) : island_of;
+  switch (algorithm) {
+    case Algorithm::kOneshot:
+      return build_oneshot(Builder(algorithm, direction, staged, world, islands, 1));
+    case Algorithm::kTwoshot:
+      return build_twoshot(Builder(algorithm, direction, staged, world, islands, world));
+    case Algorithm::kIslandOneshot:
+      return build_island_oneshot(Builder(algorithm, direction, staged, world, islands, 1),
+                                  islands);
+    case Algorithm::kIslandTwoshot:
+      return build_island_twoshot(Builder(algorithm, direction, staged, world, islands, world / 2),
+                                  islands);
+  }
+  throw UnsupportedSchedule("unknown algorithm");
+}
+
+Program encode_program(const Schedule& schedule, int rank) {
+  if (rank < 0 || rank >= schedule.world) {
+    throw std::out_of_range("rank " + std::to_string(rank) + " is outside world " +
+                            std::to_string(schedule.world));
+  }
+  const auto& steps = schedule.programs[rank];
+  if (static_cast<int>(steps.size()) > kMaxSteps) {
+    throw std::length_error("rank " + std::to_string(rank) + "'s program has " +
+                            std::to_string(steps.size()) + " steps; at most " +
+                            std::to_string(kMaxSteps) + " fit");
+  }
+  Program program;
+  program.rank = static_cast<uint8_t>(rank);
+  program.world = static_cast<uint8_t>(schedule.world);
+  program.num_chunks = static_cast<uint8_t>(schedule.num_chunks);
+  program.num_stages = static_cast<uint8_t>(schedule.num_stages);
+  program.num_steps = static_cast<uint16_t>(steps.size());
+  std::copy(steps.begin(), steps.end(), program.steps);
+  return program;
+}
+
+namespace {
+
+std::string describe_buf(const BufRef& buf) {
+  switch (buf.space) {
+    case Space::kInput:
+      return "input";
+    case Space::kOutput:
+      return "output";
+    case Space::kSlot:
+      return "r" + std::to_string(buf.owner) + ".slot" + std::to_string(buf.slot);
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::string describe_step(const Step& step) {
+  std::string text = "s" + std::to_string(step.stage) + " ";
+  switch (step.kind) {
+    case StepKind::kReduce: {
+      text += describe_buf(step.dst) + "[" + std::to_string(step.chunk) + "] = ";
+      for (int i = 0; i < step.num_srcs; ++i) {
+        if (i) text += " + ";
+        text += describe_buf(step.srcs[i]);
+      }
+      return text;
+    }
+    case StepKind::kSignal:
+      return text + "signal r" + std::to_string(step.flag_owner) + ".flag" +
+             std::to_string(step.flag);
+    case StepKind::kWait:
+      return text + "wait r" + std::to_string(step.flag_owner) + ".flag" +
+             std::to_string(step.flag) + " from r" + std::to_string(step.peer);
+  }
+  return text;
+}
+
+}  // namespace pcie_ar::plan

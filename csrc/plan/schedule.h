@@ -1,0 +1,53 @@
+// Schedules: an all-reduce algorithm for one world size and island map, as data. A schedule
+// is one program (an ordered list of Steps) per rank; chunks are fractions of the message, so
+// a schedule is size-free. Builders emit; the verifier (verify.h) proves; encode_program()
+// turns one rank's program into the POD both transports execute.
+#pragma once
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/step.h"
+#include "plan/tactic.h"
+
+namespace pcie_ar::plan {
+
+// Thrown when a builder is asked for something it does not build; what() says why.
+class UnsupportedSchedule : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct Schedule {
+  Algorithm algorithm = Algorithm::kOneshot;
+  Direction direction = Direction::kPush;
+  bool staged = true;
+  int world = 0;
+  int num_chunks = 1;
+  int num_stages = 0;
+  // rank -> island; every rank in island 0 for a flat topology. Island algorithms need two
+  // equal islands; flat algorithms use the map only to count cross-island traffic.
+  std::vector<int> island_of;
+  std::vector<std::vector<Step>> programs;  // programs[rank]
+};
+
+// Why `algorithm` cannot be built for this world and island map, or nullopt when it can.
+// World sizes 2..8; island algorithms need exactly two islands of equal size >= 2.
+std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
+                                           const std::vector<int>& island_of);
+
+// Throws UnsupportedSchedule with the reason from why_unsupported(). An empty island_of means
+// flat (one island).
+Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, int world,
+                        const std::vector<int>& island_of = {});
+
+// The POD a transport executes for `rank`. Throws std::length_error if the program does not
+// fit (it always does for schedules the builders emit).
+Program encode_program(const Schedule& schedule, int rank);
+
+// Human-readable names for diagnostics and to_dict().
+std::string describe_step(const Step& step);
+
+}  // namespace pcie_ar::plan

@@ -1,0 +1,54 @@
+// The per-rank step list: a schedule compiled for one rank into a small POD array. Both
+// transports execute exactly this array, so the schedule the verifier proved on the CPU is the
+// schedule the GPU runs. Values are explicit and append-only: they cross into kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace pcie_ar::plan {
+
+inline constexpr int kMaxWorld = 8;
+inline constexpr int kMaxSources = kMaxWorld;  // a reduce sums at most one operand per rank
+inline constexpr int kMaxSteps = 64;           // per rank; builders stay far below
+
+// Where a buffer lives. Input and output are the executing rank's own tensors (peers never
+// see them); slots are regions of a rank's workspace that peers map.
+enum class Space : uint8_t { kInput = 0, kOutput = 1, kSlot = 2 };
+
+struct BufRef {
+  Space space = Space::kInput;
+  uint8_t owner = 0;  // rank whose memory holds the buffer
+  uint8_t slot = 0;   // data slot index (Space::kSlot only)
+  uint8_t reserved = 0;
+};
+
+enum class StepKind : uint8_t {
+  kReduce = 0,  // dst[chunk] = round(sum of srcs[chunk] in order, accumulated in fp32)
+  kSignal = 1,  // release-store this generation into flag `flag` of rank `flag_owner`
+  kWait = 2,    // acquire-wait until flag `flag` of rank `flag_owner` reaches this generation
+};
+
+struct Step {
+  StepKind kind = StepKind::kReduce;
+  uint8_t stage = 0;       // stage of the schedule this step belongs to
+  uint8_t chunk = 0;       // kReduce: chunk index (of Program::num_chunks)
+  uint8_t num_srcs = 0;    // kReduce: operands in srcs, 1 = plain copy
+  uint8_t peer = 0;        // kSignal: rank being told; kWait: rank expected to write the flag
+  uint8_t flag_owner = 0;  // kSignal/kWait: rank whose workspace holds the flag
+  uint8_t flag = 0;        // kSignal/kWait: flag index in the owner's per-block flag array
+  uint8_t reserved = 0;
+  BufRef dst;
+  BufRef srcs[kMaxSources];
+};
+
+struct Program {
+  uint8_t rank = 0;
+  uint8_t world = 0;
+  uint8_t num_chunks = 1;
+  uint8_t num_stages = 0;
+  uint16_t num_steps = 0;
+  uint16_t reserved = 0;
+  Step steps[kMaxSteps];
+};
+
+}  // namespace pcie_ar::plan

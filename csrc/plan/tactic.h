@@ -1,0 +1,58 @@
+// A tactic: which algorithm runs a reduction, in which direction, staged or not, and with
+// what launch shape. Enum values cross the ABI into kernels, shared memory and tuning files:
+// they are explicit and append-only.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace pcie_ar::plan {
+
+enum class DType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+
+enum class Algorithm : uint8_t {
+  kOneshot = 0,        // every rank receives every input and reduces the whole message
+  kTwoshot = 1,        // reduce-scatter, then all-gather
+  kIslandOneshot = 2,  // oneshot inside each island, then partners exchange island sums
+  kIslandTwoshot = 3,  // island reduce-scatter, partner exchange, island all-gather
+};
+
+// Push: writers store into the reader's workspace (posted writes; root-complex hosts like it).
+// Pull: readers load from the writer's workspace (some switch fabrics collapse on peer writes).
+enum class Direction : uint8_t { kPush = 0, kPull = 1 };
+
+inline constexpr Algorithm kAllAlgorithms[] = {
+    Algorithm::kOneshot, Algorithm::kTwoshot, Algorithm::kIslandOneshot, Algorithm::kIslandTwoshot};
+inline constexpr DType kAllDTypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+
+struct Tactic {
+  Algorithm algorithm = Algorithm::kOneshot;
+  Direction direction = Direction::kPush;
+  bool staged = true;
+  int blocks = 1;     // CTAs per rank on the GPU; slices processed in turn on the host
+  int threads = 256;  // threads per CTA (GPU only)
+
+  bool operator==(const Tactic&) const = default;
+};
+
+int dtype_bytes(DType dtype);
+std::string_view dtype_name(DType dtype);  // "bf16", "fp16", "fp32"
+std::string_view algorithm_name(Algorithm algorithm);
+std::string_view direction_name(Direction direction);
+bool is_island_algorithm(Algorithm algorithm);
+
+// Parsers accept exactly the names above; std::nullopt otherwise.
+std::optional<DType> parse_dtype(std::string_view name);
+std::optional<Algorithm> parse_algorithm(std::string_view name);
+std::optional<Direction> parse_direction(std::string_view name);
+
+// "oneshot/push/staged/b16/t256": stable, used as the stats key.
+std::string tactic_label(const Tactic& tactic);
+
+// A 32-bit code for (numel, dtype, tactic) written beside every flag, so a reader detects a
+// peer that entered the same generation with a different call instead of reducing garbage.
+uint32_t call_signature(DType dtype, const Tactic& tactic);
+
+}  // namespace pcie_ar::plan

@@ -1,0 +1,217 @@
+#include "plan/tuning_table.h"
+
+#include <charconv>
+#include <string>
+
+namespace pcie_ar::plan {
+namespace {
+
+constexpr std::string_view kSeedTable =
+    R"csv(# Seed table compiled into pcie_allreduce; `pcie-allreduce tune` writes a measured one per host.
+topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads
+# Host shared-memory transport (CPU tensors): one thread per rank walks one slice.
+host,2,*,0,*,oneshot,push,0,1,32
+host,*,*,0,65536,oneshot,push,0,1,32
+host,*,*,65536,*,twoshot,push,0,1,32
+# NVLink-connected GPUs belong to the serving engine's own custom all-reduce.
+nvlink,*,*,0,*,fallback,,,,
+# Two sockets: reduce inside each island and cross the socket link once.
+islands-2x4,8,*,0,131072,island_oneshot,push,1,16,256
+islands-2x4,8,*,131072,*,island_twoshot,push,1,32,512
+islands-2x3,6,*,0,131072,island_oneshot,push,1,16,256
+islands-2x3,6,*,131072,*,island_twoshot,push,1,32,512
+islands-2x2,4,*,0,131072,island_oneshot,push,1,16,256
+islands-2x2,4,*,131072,*,island_twoshot,push,1,32,512
+# One switch or root complex: a single peer needs no staging; more peers take turns.
+*,2,*,0,*,oneshot,push,0,16,256
+*,*,*,0,131072,oneshot,push,1,16,256
+*,*,*,131072,*,twoshot,push,1,32,512
+*,*,*,0,*,fallback,,,,
+)csv";
+
+constexpr std::string_view kHeader =
+    "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads";
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r'))
+    s.remove_suffix(1);
+  return s;
+}
+
+std::vector<std::string_view> split(std::string_view line) {
+  std::vector<std::string_view> cells;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = line.find(',', start);
+    cells.push_back(trim(line.substr(start, comma - start)));
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return cells;
+}
+
+class RowParser {
+ public:
+  RowParser(std::string_view source, int line) : source_(source), line_(line) {}
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw TableError(std::string(source_) + " line " + std::to_string(line_) + ": " + what);
+  }
+
+  int64_t integer(std::string_view cell, std::string_view column, int64_t min) const {
+    int64_t value = 0;
+    const auto [end, ec] = std::from_chars(cell.data(), cell.data() + cell.size(), value);
+    if (ec != std::errc() || end != cell.data() + cell.size() || value < min) {
+      fail("column " + std::string(column) + " must be an integer >= " + std::to_string(min) +
+           " or '*', got '" + std::string(cell) + "'");
+    }
+    return value;
+  }
+
+ private:
+  std::string_view source_;
+  int line_;
+};
+
+uint64_t fnv1a(std::string_view text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+bool TableRow::matches(std::string_view topology_key, int w, DType d, int64_t bytes) const {
+  if (topology != "*" && topology != topology_key) return false;
+  if (world >= 0 && world != w) return false;
+  if (dtype && *dtype != d) return false;
+  if (bytes < min_bytes) return false;
+  return max_bytes < 0 || bytes < max_bytes;
+}
+
+TuningTable TuningTable::parse(std::string_view text, std::string_view source) {
+  TuningTable table;
+  table.source_ = std::string(source);
+  int line_no = 0;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t eol = text.find('\n', pos);
+    std::string_view line = text.substr(pos, eol == std::string_view::npos ? eol : eol - pos);
+    pos = eol == std::string_view::npos ? text.size() + 1 : eol + 1;
+    ++line_no;
+    if (const size_t hash = line.find('#'); hash != std::string_view::npos)
+      line = line.substr(0, hash);
+    line = trim(line);
+    if (line.empty()) continue;
+    const auto cells = split(line);
+    RowParser p(source, line_no);
+    if (cells[0] == "topology") {
+      if (line != kHeader && line.substr(0, kHeader.size()) != kHeader) {
+        p.fail("header must start with '" + std::string(kHeader) + "'");
+      }
+      continue;
+    }
+    if (cells.size() < 6) {
+      p.fail("expected 10 columns (" + std::string(kHeader) + "), found " +
+             std::to_string(cells.size()));
+    }
+    TableRow row;
+    row.line = line_no;
+    row.topology = std::string(cells[0]);
+    if (row.topology.empty()) p.fail("column topology is empty (use '*' for any)");
+    row.world = cells[1] == "*" ? -1 : static_cast<int>(p.integer(cells[1], "world", 1));
+    if (cells[2] != "*") {
+      row.dtype = parse_dtype(cells[2]);
+      if (!row.dtype) {
+        p.fail("column dtype must be bf16, fp16, fp32 or '*', got '" + std::string(cells[2]) + "'");
+      }
+    }
+    row.min_bytes = p.integer(cells[3], "min_bytes", 0);
+    row.max_bytes = cells[4] == "*" ? -1 : p.integer(cells[4], "max_bytes", 1);
+    if (row.max_bytes >= 0 && row.max_bytes <= row.min_bytes) {
+      p.fail("max_bytes (" + std::to_string(row.max_bytes) + ") must exceed min_bytes (" +
+             std::to_string(row.min_bytes) + ")");
+    }
+    row.algorithm_text = std::string(cells[5]);
+    if (row.algorithm_text == "fallback") {
+      row.fallback = true;
+    } else {
+      if (cells.size() < 10) {
+        p.fail("expected 10 columns (" + std::string(kHeader) + "), found " +
+               std::to_string(cells.size()));
+      }
+      row.algorithm = parse_algorithm(cells[5]);  // unknown: kept, skipped when matched
+      if (row.algorithm) row.tactic.algorithm = *row.algorithm;
+      const auto direction = parse_direction(cells[6]);
+      if (!direction)
+        p.fail("column direction must be push or pull, got '" + std::string(cells[6]) + "'");
+      row.tactic.direction = *direction;
+      if (cells[7] != "0" && cells[7] != "1") {
+        p.fail("column staged must be 0 or 1, got '" + std::string(cells[7]) + "'");
+      }
+      row.tactic.staged = cells[7] == "1";
+      row.tactic.blocks = static_cast<int>(p.integer(cells[8], "blocks", 1));
+      row.tactic.threads = static_cast<int>(p.integer(cells[9], "threads", 1));
+    }
+    for (size_t i = 10; i < cells.size(); ++i) row.extra.emplace_back(cells[i]);
+    table.rows_.push_back(std::move(row));
+  }
+  return table;
+}
+
+std::string_view TuningTable::embedded_text() { return kSeedTable; }
+
+TuningTable TuningTable::embedded() { return parse(kSeedTable, "embedded seed table"); }
+
+TableChoice TuningTable::choose(std::string_view topology_key, int world, DType dtype,
+                                int64_t bytes, const RunnableCheck& why_not_runnable) const {
+  TableChoice choice;
+  for (const TableRow& row : rows_) {
+    if (!row.matches(topology_key, world, dtype, bytes)) continue;
+    if (row.fallback) {
+      choice.line = row.line;
+      return choice;
+    }
+    std::optional<std::string> why;
+    if (!row.algorithm) {
+      why = "unknown algorithm '" + row.algorithm_text +
+            "' (expected oneshot, twoshot, island_oneshot, island_twoshot or fallback)";
+    } else if (why_not_runnable) {
+      why = why_not_runnable(row);
+    }
+    if (why) {
+      choice.skipped.emplace_back(row.line, *why);
+      continue;
+    }
+    choice.fallback = false;
+    choice.tactic = row.tactic;
+    choice.line = row.line;
+    return choice;
+  }
+  return choice;
+}
+
+std::string TuningTable::canonical_text() const {
+  std::string text;
+  for (const TableRow& r : rows_) {
+    text += r.topology + "," + (r.world < 0 ? "*" : std::to_string(r.world)) + "," +
+            (r.dtype ? std::string(dtype_name(*r.dtype)) : "*") + "," +
+            std::to_string(r.min_bytes) + "," +
+            (r.max_bytes < 0 ? "*" : std::to_string(r.max_bytes)) + "," + r.algorithm_text;
+    if (!r.fallback) {
+      text += "," + std::string(direction_name(r.tactic.direction)) + "," +
+              (r.tactic.staged ? "1" : "0") + "," + std::to_string(r.tactic.blocks) + "," +
+              std::to_string(r.tactic.threads);
+    }
+    text += "\n";
+  }
+  return text;
+}
+
+uint64_t TuningTable::hash() const { return fnv1a(canonical_text()); }
+
+}  // namespace pcie_ar::plan

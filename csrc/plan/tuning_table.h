@@ -1,0 +1,83 @@
+// The tuning table: CSV rules mapping (topology, world, dtype, message bytes) to a tactic or to
+// the fallback. First matching *runnable* row wins; a row whose tactic cannot run here is
+// skipped with a reason and matching continues (as RCCL's CSV tuner does); no match means
+// fallback. Decisions are a pure function of the table and the call, so every rank that holds
+// the same table (the handshake compares hash()) takes the same path.
+//
+//   topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads
+//   islands-2x4,8,bf16,0,65536,island_oneshot,push,1,16,256
+//   *,*,*,0,*,fallback,,,,
+//
+// min_bytes is inclusive, max_bytes exclusive, "*" matches anything. Columns after the tenth
+// (measured times written by the tuner) are kept but never matched on.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "plan/tactic.h"
+
+namespace pcie_ar::plan {
+
+class TableError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct TableRow {
+  int line = 0;                // 1-based line in the source text
+  std::string topology = "*";  // table key of the topology, or "*"
+  int world = -1;              // -1 = any
+  std::optional<DType> dtype;  // nullopt = any
+  int64_t min_bytes = 0;       // inclusive
+  int64_t max_bytes = -1;      // exclusive; -1 = no bound
+  bool fallback = false;
+  std::string algorithm_text;  // as written, so an unknown name can be reported
+  std::optional<Algorithm> algorithm;
+  Tactic tactic;
+  std::vector<std::string> extra;  // columns after the tenth
+
+  bool matches(std::string_view topology_key, int world, DType dtype, int64_t bytes) const;
+};
+
+// Why a tactic cannot run on this communicator (world, workspace, topology), or nullopt.
+using RunnableCheck = std::function<std::optional<std::string>(const TableRow&)>;
+
+struct TableChoice {
+  bool fallback = true;
+  Tactic tactic;
+  int line = 0;  // row that decided; 0 when nothing matched
+  // Rows that matched but could not run: (line, reason).
+  std::vector<std::pair<int, std::string>> skipped;
+};
+
+class TuningTable {
+ public:
+  // Throws TableError naming `source` and the line: "table.csv line 4: expected 10 columns
+  // (topology,world,...), found 7".
+  static TuningTable parse(std::string_view text, std::string_view source = "table");
+  // The seed table compiled into the library.
+  static TuningTable embedded();
+  static std::string_view embedded_text();
+
+  TableChoice choose(std::string_view topology_key, int world, DType dtype, int64_t bytes,
+                     const RunnableCheck& why_not_runnable) const;
+
+  const std::vector<TableRow>& rows() const { return rows_; }
+  const std::string& source() const { return source_; }
+  // FNV-1a over the canonical text of the matched columns: comments, spacing and extra
+  // columns do not change it; any rule does.
+  uint64_t hash() const;
+  std::string canonical_text() const;
+
+ private:
+  std::vector<TableRow> rows_;
+  std::string source_;
+};
+
+}  // namespace pcie_ar::plan

@@ -1,0 +1,377 @@
+#include "plan/verify.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "plan/layout.h"
+
+namespace pcie_ar::plan {
+namespace {
+
+// Hash-consed sum expressions: ids 0..world-1 are the ranks' inputs; a sum node is an ordered
+// list of operand ids, rounded once to the dtype. Two ranks computing the same id compute the
+// same bits.
+class Expressions {
+ public:
+  explicit Expressions(int world) : world_(world) {}
+
+  int sum(const std::vector<int>& operands) {
+    if (operands.size() == 1) return operands[0];  // a copy is exact
+    auto [it, inserted] = ids_.try_emplace(operands, world_ + static_cast<int>(nodes_.size()));
+    if (inserted) nodes_.push_back(operands);
+    return it->second;
+  }
+
+  void count_leaves(int id, std::vector<int>& counts) const {
+    if (id < world_) {
+      ++counts[id];
+      return;
+    }
+    for (int child : nodes_[id - world_]) count_leaves(child, counts);
+  }
+
+  int min_leaf(int id) const {
+    if (id < world_) return id;
+    int best = world_;
+    for (int child : nodes_[id - world_]) best = std::min(best, min_leaf(child));
+    return best;
+  }
+
+  // Every sum's operands ordered by the lowest rank they contain.
+  bool in_rank_order(int id) const {
+    if (id < world_) return true;
+    const auto& children = nodes_[id - world_];
+    for (size_t i = 0; i < children.size(); ++i) {
+      if (!in_rank_order(children[i])) return false;
+      if (i > 0 && min_leaf(children[i - 1]) >= min_leaf(children[i])) return false;
+    }
+    return true;
+  }
+
+  std::string text(int id) const {
+    if (id < 0) return "nothing";
+    if (id < world_) return "x" + std::to_string(id);
+    std::string out = "(";
+    const auto& children = nodes_[id - world_];
+    for (size_t i = 0; i < children.size(); ++i) out += (i ? "+" : "") + text(children[i]);
+    return out + ")";
+  }
+
+ private:
+  int world_;
+  std::map<std::vector<int>, int> ids_;
+  std::vector<std::vector<int>> nodes_;
+};
+
+using Clock = std::vector<int>;
+
+struct Region {
+  int expr = -1;
+  int writer = -1;
+  int write_time = 0;                      // writer's own clock entry at the write
+  std::vector<std::pair<int, int>> reads;  // (reader, reader's clock) since the last write
+};
+
+struct Flag {
+  int writer = -1;
+  Clock clock;
+};
+
+// (space, owner, slot, chunk)
+using RegionKey = std::tuple<int, int, int, int>;
+
+class Simulation {
+ public:
+  Simulation(const Schedule& s, const VerifyOptions& options, Verification& v)
+      : s_(s), options_(options), v_(v), exprs_(s.world) {
+    clocks_.assign(s.world, Clock(s.world, 0));
+    for (int r = 0; r < s.world; ++r) {
+      for (int c = 0; c < s.num_chunks; ++c) {
+        regions_[key(r, BufRef{Space::kInput, static_cast<uint8_t>(r), 0, 0}, c)].expr = r;
+      }
+    }
+  }
+
+  void run() {
+    std::vector<size_t> pc(s_.world, 0);
+    while (true) {
+      bool progress = false;
+      bool done = true;
+      for (int r = 0; r < s_.world; ++r) {
+        const auto& program = s_.programs[r];
+        while (pc[r] < program.size()) {
+          const Step& step = program[pc[r]];
+          if (step.kind == StepKind::kWait && !flags_.count({step.flag_owner, step.flag})) break;
+          execute(r, static_cast<int>(pc[r]), step);
+          ++pc[r];
+          progress = true;
+        }
+        if (pc[r] < program.size()) done = false;
+      }
+      if (done) break;
+      if (!progress) {
+        for (int r = 0; r < s_.world; ++r) {
+          if (pc[r] < s_.programs[r].size()) {
+            const Step& step = s_.programs[r][pc[r]];
+            error("deadlock: rank " + std::to_string(r) + " blocks forever at step " +
+                  std::to_string(pc[r]) + " (" + describe_step(step) + ")");
+          }
+        }
+        return;
+      }
+    }
+    check_outputs();
+    check_everyone_heard_from_everyone();
+  }
+
+  bool failed() const { return !v_.errors.empty(); }
+
+ private:
+  void error(std::string message) {
+    if (v_.errors.size() < 32) v_.errors.push_back(std::move(message));
+  }
+
+  RegionKey key(int r, const BufRef& buf, int chunk) const {
+    int space = static_cast<int>(buf.space);
+    if (options_.in_place && buf.space == Space::kOutput) space = static_cast<int>(Space::kInput);
+    (void)r;
+    return {space, buf.owner, buf.space == Space::kSlot ? buf.slot : 0, chunk};
+  }
+
+  std::string where(int r, int index, const Step& step) const {
+    return "rank " + std::to_string(r) + " step " + std::to_string(index) + " (" +
+           describe_step(step) + ")";
+  }
+
+  bool check_buf(int r, int index, const Step& step, const BufRef& buf) {
+    if (buf.owner >= s_.world) {
+      error(where(r, index, step) + ": buffer owner " + std::to_string(buf.owner) +
+            " is outside the world");
+      return false;
+    }
+    if (buf.space != Space::kSlot && buf.owner != r) {
+      error(where(r, index, step) + ": touches rank " + std::to_string(buf.owner) +
+            "'s input/output, which only that rank can see");
+      return false;
+    }
+    if (buf.space == Space::kSlot && buf.slot >= num_slots_for(s_.world)) {
+      error(where(r, index, step) + ": slot " + std::to_string(buf.slot) + " is outside the " +
+            std::to_string(num_slots_for(s_.world)) + " slots of the layout");
+      return false;
+    }
+    return true;
+  }
+
+  void record_transfer(int stage, int from, int to, int r, int index, const Step& step) {
+    if (from == to) return;
+    out_[{stage, from}].insert(to);
+    in_[{stage, to}].insert(from);
+    const double share = 1.0 / s_.num_chunks;
+    v_.sent_to[from][to] += share;
+    const int island_from = s_.island_of[from];
+    if (island_from != s_.island_of[to]) {
+      v_.cross_island[island_from == s_.island_of[0] ? 0 : 1] += share;
+    }
+    const bool pushes = s_.direction == Direction::kPush;
+    if (pushes != (from == r)) {
+      error(where(r, index, step) + (pushes ? ": a push schedule reads peer memory"
+                                            : ": a pull schedule writes peer memory"));
+    }
+  }
+
+  int read(int r, int index, const Step& step, const BufRef& buf) {
+    Region& region = regions_[key(r, buf, step.chunk)];
+    if (region.expr < 0) {
+      error(where(r, index, step) + ": reads chunk " + std::to_string(step.chunk) +
+            " before anything wrote it");
+    } else if (region.writer >= 0 && region.writer != r &&
+               region.write_time > clocks_[r][region.writer]) {
+      error(where(r, index, step) + ": reads data rank " + std::to_string(region.writer) +
+            " wrote without waiting for its flag (race)");
+    }
+    region.reads.emplace_back(r, clocks_[r][r]);
+    return region.expr;
+  }
+
+  void write(int r, int index, const Step& step, const BufRef& buf, int expr) {
+    Region& region = regions_[key(r, buf, step.chunk)];
+    if (region.writer >= 0 && region.writer != r && region.write_time > clocks_[r][region.writer]) {
+      error(where(r, index, step) + ": overwrites data rank " + std::to_string(region.writer) +
+            " wrote, with no ordering between the two writes (race)");
+    }
+    for (auto [reader, time] : region.reads) {
+      if (reader != r && time > clocks_[r][reader]) {
+        error(where(r, index, step) + ": overwrites data rank " + std::to_string(reader) +
+              " may still be reading (race)");
+      }
+    }
+    region.expr = expr;
+    region.writer = r;
+    region.write_time = clocks_[r][r];
+    region.reads.clear();
+  }
+
+  void execute(int r, int index, const Step& step) {
+    ++clocks_[r][r];
+    switch (step.kind) {
+      case StepKind::kReduce: {
+        if (step.num_srcs < 1 || step.num_srcs > kMaxSources) {
+          error(where(r, index, step) + ": a reduce needs 1.." + std::to_string(kMaxSources) +
+                " operands");
+          return;
+        }
+        if (step.chunk >= s_.num_chunks) {
+          error(where(r, index, step) + ": chunk " + std::to_string(step.chunk) +
+                " is outside the schedule's " + std::to_string(s_.num_chunks));
+          return;
+        }
+        std::vector<int> operands;
+        for (int i = 0; i < step.num_srcs; ++i) {
+          const BufRef& src = step.srcs[i];
+          if (!check_buf(r, index, step, src)) return;
+          if (src.owner != r) record_transfer(step.stage, src.owner, r, r, index, step);
+          operands.push_back(read(r, index, step, src));
+        }
+        if (!check_buf(r, index, step, step.dst)) return;
+        if (step.dst.owner != r) record_transfer(step.stage, r, step.dst.owner, r, index, step);
+        if (std::find(operands.begin(), operands.end(), -1) != operands.end()) return;
+        write(r, index, step, step.dst, exprs_.sum(operands));
+        return;
+      }
+      case StepKind::kSignal: {
+        if (step.flag_owner >= s_.world || step.flag >= num_flags_for(s_.world)) {
+          error(where(r, index, step) + ": flag outside the layout");
+          return;
+        }
+        Flag& flag = flags_[{step.flag_owner, step.flag}];
+        if (flag.writer >= 0) {
+          error(where(r, index, step) + ": flag already raised this generation by rank " +
+                std::to_string(flag.writer) + " (each flag has one writer, once per call)");
+        }
+        flag.writer = r;
+        flag.clock = clocks_[r];
+        return;
+      }
+      case StepKind::kWait: {
+        const Flag& flag = flags_.at({step.flag_owner, step.flag});
+        if (flag.writer != step.peer) {
+          error(where(r, index, step) + ": waits for rank " + std::to_string(step.peer) +
+                " but rank " + std::to_string(flag.writer) + " raises that flag");
+        }
+        for (int q = 0; q < s_.world; ++q) {
+          clocks_[r][q] = std::max(clocks_[r][q], flag.clock[q]);
+        }
+        return;
+      }
+    }
+  }
+
+  void check_outputs() {
+    const Space out_space = Space::kOutput;
+    for (int c = 0; c < s_.num_chunks; ++c) {
+      int reference = -2;
+      for (int r = 0; r < s_.world; ++r) {
+        auto it = regions_.find(key(r, BufRef{out_space, static_cast<uint8_t>(r), 0, 0}, c));
+        const int expr = it == regions_.end() || it->second.writer < 0 ? -1 : it->second.expr;
+        const std::string what = "rank " + std::to_string(r) + " output chunk " +
+                                 std::to_string(c) + " = " + exprs_.text(expr);
+        if (expr < 0) {
+          error(what + ": never written");
+          continue;
+        }
+        std::vector<int> counts(s_.world, 0);
+        exprs_.count_leaves(expr, counts);
+        for (int q = 0; q < s_.world; ++q) {
+          if (counts[q] != 1) {
+            error(what + ": rank " + std::to_string(q) + "'s input is summed " +
+                  std::to_string(counts[q]) + " times, expected exactly once");
+          }
+        }
+        if (!exprs_.in_rank_order(expr)) error(what + ": operands are not in rank order");
+        if (reference == -2) {
+          reference = expr;
+        } else if (expr != reference) {
+          error(what + " but rank 0 computes " + exprs_.text(reference) +
+                ": results would not be bitwise identical across ranks");
+        }
+      }
+    }
+  }
+
+  // The generation double buffer is safe only if no rank can finish a call before every other
+  // rank has started it (and so finished the previous one).
+  void check_everyone_heard_from_everyone() {
+    for (int r = 0; r < s_.world; ++r) {
+      for (int q = 0; q < s_.world; ++q) {
+        if (q != r && clocks_[r][q] < 1) {
+          error("rank " + std::to_string(r) + " can finish without hearing from rank " +
+                std::to_string(q) + ": the generation double buffer would be unsafe");
+        }
+      }
+    }
+  }
+
+ public:
+  std::map<std::pair<int, int>, std::set<int>> out_, in_;  // (stage, rank) -> peers
+
+ private:
+  const Schedule& s_;
+  const VerifyOptions& options_;
+  Verification& v_;
+  Expressions exprs_;
+  std::vector<Clock> clocks_;
+  std::map<RegionKey, Region> regions_;
+  std::map<std::pair<int, int>, Flag> flags_;
+};
+
+}  // namespace
+
+Verification verify(const Schedule& schedule, const VerifyOptions& options) {
+  Verification v;
+  v.num_stages = schedule.num_stages;
+  const int W = schedule.world;
+  if (W < 2 || W > kMaxWorld || static_cast<int>(schedule.programs.size()) != W ||
+      static_cast<int>(schedule.island_of.size()) != W || schedule.num_chunks < 1) {
+    v.errors.push_back("malformed schedule: world " + std::to_string(W) + ", " +
+                       std::to_string(schedule.programs.size()) + " programs, " +
+                       std::to_string(schedule.island_of.size()) + " island entries, " +
+                       std::to_string(schedule.num_chunks) + " chunks");
+    return v;
+  }
+  v.sent_to.assign(W, std::vector<double>(W, 0.0));
+  for (const auto& program : schedule.programs) {
+    v.max_steps = std::max(v.max_steps, static_cast<int>(program.size()));
+  }
+  if (v.max_steps > kMaxSteps) {
+    v.errors.push_back("a program has " + std::to_string(v.max_steps) + " steps; at most " +
+                       std::to_string(kMaxSteps) + " fit the executors");
+  }
+  Simulation sim(schedule, options, v);
+  sim.run();
+  for (const auto& [where, peers] : sim.out_) {
+    v.max_outbound_per_stage = std::max(v.max_outbound_per_stage, static_cast<int>(peers.size()));
+    if (schedule.staged && peers.size() > 1) {
+      v.errors.push_back("stage " + std::to_string(where.first) + ": rank " +
+                         std::to_string(where.second) + " sends to " +
+                         std::to_string(peers.size()) +
+                         " peers; a staged schedule allows one outbound stream per stage");
+    }
+  }
+  for (const auto& [where, peers] : sim.in_) {
+    v.max_inbound_per_stage = std::max(v.max_inbound_per_stage, static_cast<int>(peers.size()));
+    if (schedule.staged && peers.size() > 1) {
+      v.errors.push_back("stage " + std::to_string(where.first) + ": rank " +
+                         std::to_string(where.second) + " receives from " +
+                         std::to_string(peers.size()) +
+                         " peers; a staged schedule allows one inbound stream per stage");
+    }
+  }
+  v.ok = v.errors.empty();
+  return v;
+}
+
+}  // namespace pcie_ar::plan

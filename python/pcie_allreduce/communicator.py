@@ -1,0 +1,290 @@
+"""PcieAllReduce: the communicator a serving engine holds for its tensor-parallel group.
+
+It answers ``should_use(t)`` / ``decline_reason(t)``, runs ``all_reduce(t)`` on the kernels when
+they are admitted and chosen by the tuning table, and on the group's own all-reduce otherwise,
+so the result is always the correct sum. Construction and ``destroy()`` are collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .env import read_env
+from .errors import PcieAllReduceTimeout
+from .plan import island_map
+
+logger = logging.getLogger("pcie_allreduce")
+
+DEFAULT_ROWS = 64
+DEFAULT_HIDDEN = 8192
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def resolve_max_numel(
+    max_numel: Optional[int], hidden: Optional[int], max_rows: Optional[int]
+) -> int:
+    """explicit max_numel > PCIE_ALLREDUCE_MAX_NUMEL > max_rows x hidden > 64 rows (warned)."""
+    if max_numel is not None:
+        if int(max_numel) <= 0 or int(max_numel) % 8 != 0:
+            raise ValueError(f"max_numel must be a positive multiple of 8, got {max_numel!r}")
+        return int(max_numel)
+    from_env = read_env().max_numel
+    if from_env is not None:
+        return from_env
+    if hidden is not None and max_rows is not None:
+        return int(hidden) * int(max_rows)
+    rows = DEFAULT_ROWS
+    width = int(hidden) if hidden is not None else DEFAULT_HIDDEN
+    logger.warning(
+        "pcie_allreduce: no max_numel given; sizing the workspace for %d rows x %d hidden = %d "
+        "elements (pass max_numel, or hidden and max_rows = decode batch x draft tokens)",
+        rows,
+        width,
+        rows * width,
+    )
+    return rows * width
+
+
+def _read_table(table: Optional[str]) -> tuple[str, str]:
+    """(csv text, source name) from a table argument or PCIE_ALLREDUCE_TABLE; ('', 'embedded')."""
+    if table is None:
+        table = read_env().table
+        if table is None:
+            return "", "embedded seed table"
+        return Path(table).read_text(), table
+    if "\n" not in table and "," not in table and Path(table).exists():
+        return Path(table).read_text(), str(table)
+    return table, "table argument"
+
+
+def _cpu_group_for(group: Any, cpu_group: Any) -> Any:
+    if cpu_group is not None:
+        return cpu_group
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+class PcieAllReduce:
+    """All-reduce for one process group on PCIe-only hosts.
+
+    Args:
+        group: the process group (NCCL for CUDA tensors, gloo for CPU tensors).
+        device: ``cpu`` (host shared-memory transport) or a CUDA device.
+        max_numel: workspace capacity in elements; fixed for the communicator's life.
+        table: tuning table as CSV text or a path; default PCIE_ALLREDUCE_TABLE or the seed.
+        cpu_group: a gloo group over the same ranks for bootstrapping (made if needed).
+        islands: ranks grouped by socket, overriding the probe (CPU tensors: NUMA nodes).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        device: Union[str, torch.device, int] = "cpu",
+        *,
+        max_numel: Optional[int] = None,
+        table: Optional[str] = None,
+        cpu_group: Any = None,
+        hidden: Optional[int] = None,
+        max_rows: Optional[int] = None,
+        dtypes: Sequence[str] = ("bf16", "fp16", "fp32"),
+        timeout_s: Optional[float] = None,
+        topology: Optional[Any] = None,
+        islands: Optional[Sequence[Sequence[int]]] = None,
+        initial_generation: int = 0,
+        enabled: bool = True,
+    ) -> None:
+        env = read_env()
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device(
+            "cuda", device
+        )
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._cpu_group = _cpu_group_for(self.group, cpu_group)
+        self.max_numel = resolve_max_numel(max_numel, hidden, max_rows)
+        self.timeout_s = env.timeout_s if timeout_s is None else float(timeout_s)
+        table_text, table_source = _read_table(table)
+        table_obj = _C.TuningTable.parse(table_text or _C.TuningTable.embedded_text(), table_source)
+
+        opts = _C.Options()
+        opts.rank = self.rank
+        opts.world = self.world_size
+        opts.max_numel = self.max_numel
+        opts.dtypes = list(dtypes)
+        opts.transport = "cuda" if self.device.type == "cuda" else "host"
+        opts.device = self.device.index if self.device.type == "cuda" else -1
+        opts.timeout_s = self.timeout_s
+        opts.initial_gen = int(initial_generation) & 0xFFFFFFFF
+        opts.table_text = table_text
+        opts.table_source = table_source
+        opts.group_name = self.group.group_name
+        opts.log_level = env.log_level
+        disabled, detail = ("none", "")
+        if not enabled:
+            disabled, detail = "disabled", "constructed with enabled=False"
+        topo_key, island_of = "host", island_map(self.world_size, islands)
+        if opts.transport == "cuda" and islands is None:
+            from .topology import probe_cuda_group
+
+            probe = probe_cuda_group(self._cpu_group, self.device, topology)
+            topo_key, island_of = probe.table_key, probe.island_of
+            if probe.decline is not None and disabled == "none":
+                disabled, detail = probe.decline, probe.detail
+        elif opts.transport == "cuda":
+            topo_key = _C.Topology.from_islands([list(i) for i in islands]).table_key()
+        opts.topology_key = topo_key
+        opts.island_of = island_of
+
+        # Every rank must agree on everything that decides a call's path, or they deadlock.
+        mine = {
+            "world": self.world_size,
+            "max_numel": self.max_numel,
+            "dtypes": sorted(dtypes),
+            "transport": opts.transport,
+            "table_hash": table_obj.hash(),
+            "topology": topo_key,
+            "island_of": list(island_of),
+            "timeout_s": self.timeout_s,
+            "disabled": disabled,
+        }
+        everyone: List[Dict[str, Any]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(everyone, mine, group=self._cpu_group)
+        if disabled == "none":
+            disabled, detail = _disagreement(everyone)
+        opts.disabled = disabled
+        opts.disabled_detail = detail
+
+        self._comm = _C.Communicator(opts)
+        handles = [None] * self.world_size
+        dist.all_gather_object(handles, self._comm.local_handle(), group=self._cpu_group)
+        self._comm.connect(handles)
+        dist.barrier(group=self._cpu_group)
+        self._comm.after_all_connected()
+        self.handle = _C.register_communicator(self._comm)
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def enabled(self) -> bool:
+        return bool(self._comm.enabled())
+
+    @property
+    def disabled_reason(self) -> Optional[str]:
+        reason = self._comm.disabled_reason()
+        if reason is None:
+            return None
+        return f"{reason}: {self._comm.disabled_detail()}"
+
+    @property
+    def workspace_bytes(self) -> int:
+        return int(self._comm.workspace_bytes())
+
+    def decline_reason(self, t: torch.Tensor) -> Optional[str]:
+        """None when the kernels would run ``t``; else the reason code (see stats())."""
+        return self._comm.decline_reason(t)
+
+    def supports(self, t: torch.Tensor) -> Optional[str]:
+        """None when the kernels *can* run ``t`` (whatever the table prefers)."""
+        return self._comm.supports(t)
+
+    def should_use(self, t: torch.Tensor) -> bool:
+        return self.decline_reason(t) is None
+
+    def chosen_tactic(self, t: torch.Tensor) -> str:
+        return str(self._comm.chosen_tactic(t))
+
+    def stats(self) -> Dict[str, Any]:
+        s = dict(self._comm.stats())
+        s["workspace_bytes"] = self.workspace_bytes
+        s["enabled"] = self.enabled
+        s["disabled_reason"] = self.disabled_reason
+        return s
+
+    def failure(self) -> Optional[Dict[str, Any]]:
+        return self._comm.failure()
+
+    # ------------------------------------------------------------------ the call
+    def all_reduce(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The sum of ``t`` over the group: kernels when admitted, the fallback otherwise."""
+        try:
+            if out is None:
+                return torch.ops.pcie_allreduce.all_reduce(t, self.handle)
+            return self._comm.all_reduce(t, out)
+        except RuntimeError as e:
+            self._raise_failure(e)
+            raise
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            torch.ops.pcie_allreduce.all_reduce_(t, self.handle)
+            return t
+        except RuntimeError as e:
+            self._raise_failure(e)
+            raise
+
+    def synchronize(self) -> None:
+        """Waits for the device; a kernel that timed out raises PcieAllReduceTimeout here."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._comm.raise_if_failed()
+        except RuntimeError as e:
+            self._raise_failure(e)
+            raise
+
+    def _raise_failure(self, error: RuntimeError) -> None:
+        diagnostic = self._comm.failure()
+        if diagnostic is not None or _C.FAILURE_PREFIX in str(error):
+            message = diagnostic["message"] if diagnostic else str(error)
+            raise PcieAllReduceTimeout(message, diagnostic) from error
+
+    # ------------------------------------------------------------------ teardown
+    def destroy(self) -> None:
+        """Collective and idempotent: call on every rank before destroying the process group."""
+        if getattr(self, "_destroyed", True):
+            return
+        self._destroyed = True
+        _C.unregister_communicator(self.handle)
+        failed = self._comm.failure() is not None
+        self._comm.close_peers()
+        if not failed:  # a failed peer may be gone; do not wait for it
+            dist.barrier(group=self._cpu_group)
+        self._comm.release()
+
+    def __enter__(self) -> "PcieAllReduce":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = "enabled" if self.enabled else f"disabled ({self.disabled_reason})"
+        return (
+            f"PcieAllReduce(rank={self.rank}, world={self.world_size}, device={self.device}, "
+            f"max_numel={self.max_numel}, {state})"
+        )
+
+
+def _disagreement(everyone: List[Dict[str, Any]]) -> tuple[str, str]:
+    """('none', '') when every rank may run the kernels with the same configuration."""
+    for r, theirs in enumerate(everyone):
+        if theirs["disabled"] != "none":
+            return "disabled", f"rank {r} is disabled ({theirs['disabled']})"
+    for key in everyone[0]:
+        for r, theirs in enumerate(everyone):
+            if theirs[key] != everyone[0][key]:
+                return "disabled", (
+                    f"ranks disagree on {key}: rank {r} has {theirs[key]!r}, "
+                    f"rank 0 has {everyone[0][key]!r}"
+                )
+    return "none", ""

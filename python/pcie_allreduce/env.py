@@ -1,0 +1,99 @@
+"""The one place that reads pcie_allreduce's environment flags.
+
+Every flag is parsed here, once per call to :func:`read_env`, and a bad value raises a
+``ValueError`` that says which flag, what it got and what it expects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_LOG_LEVELS = {"quiet": 0, "warning": 1, "info": 1, "debug": 2}
+
+
+@dataclass(frozen=True)
+class Env:
+    enable: bool
+    max_numel: Optional[int]
+    table: Optional[str]
+    cache_dir: Path
+    timeout_s: float
+    disable_autotune: bool
+    log_level: int
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 1/0 (or true/false, yes/no, on/off), got {raw!r}")
+
+
+def _max_numel(env: Mapping[str, str]) -> Optional[int]:
+    raw = env.get("PCIE_ALLREDUCE_MAX_NUMEL")
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value <= 0 or value % 8 != 0:
+        raise ValueError(
+            f"PCIE_ALLREDUCE_MAX_NUMEL must be a positive multiple of 8 (elements), got {raw!r}"
+        )
+    return value
+
+
+def _timeout(env: Mapping[str, str]) -> float:
+    raw = env.get("PCIE_ALLREDUCE_TIMEOUT_S")
+    if raw is None or raw.strip() == "":
+        return 30.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"PCIE_ALLREDUCE_TIMEOUT_S must be a number of seconds >= 0 (0 waits forever), "
+            f"got {raw!r}"
+        )
+    return value
+
+
+def _log_level(env: Mapping[str, str]) -> int:
+    raw = env.get("PCIE_ALLREDUCE_LOG_LEVEL")
+    if raw is None or raw.strip() == "":
+        return 1
+    value = raw.strip().lower()
+    if value in _LOG_LEVELS:
+        return _LOG_LEVELS[value]
+    if value in {"0", "1", "2"}:
+        return int(value)
+    raise ValueError(
+        f"PCIE_ALLREDUCE_LOG_LEVEL must be 0/1/2 or quiet/warning/info/debug, got {raw!r}"
+    )
+
+
+def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
+    env = os.environ if env is None else env
+    cache = env.get("PCIE_ALLREDUCE_CACHE_DIR") or str(Path.home() / ".cache" / "pcie_allreduce")
+    table = env.get("PCIE_ALLREDUCE_TABLE") or None
+    return Env(
+        enable=_flag(env, "PCIE_ALLREDUCE_ENABLE", False),
+        max_numel=_max_numel(env),
+        table=table,
+        cache_dir=Path(cache),
+        timeout_s=_timeout(env),
+        disable_autotune=_flag(env, "PCIE_ALLREDUCE_DISABLE_AUTOTUNE", False),
+        log_level=_log_level(env),
+    )

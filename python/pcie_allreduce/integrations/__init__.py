@@ -1,0 +1,1 @@
+"""Adapters for serving engines (SGLang, vLLM) live here."""

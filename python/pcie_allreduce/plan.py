@@ -1,0 +1,49 @@
+"""The plan layer from Python: build a schedule, verify it, look at its steps.
+
+>>> s = build("island_twoshot", 8, islands=[[0, 1, 2, 3], [4, 5, 6, 7]])
+>>> s.verify()["cross_island_elements"]
+1.0
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from . import _C
+
+ALGORITHMS = tuple(_C.algorithms())
+
+
+def island_map(world: int, islands: Optional[Sequence[Sequence[int]]]) -> list[int]:
+    """rank -> island index from a list of islands (lists of ranks); [] for flat."""
+    if islands is None:
+        return []
+    island_of = [-1] * world
+    for index, members in enumerate(islands):
+        for rank in members:
+            if not 0 <= rank < world:
+                raise ValueError(f"island {index} names rank {rank}, outside world {world}")
+            if island_of[rank] != -1:
+                raise ValueError(f"rank {rank} appears in more than one island")
+            island_of[rank] = index
+    missing = [r for r, i in enumerate(island_of) if i == -1]
+    if missing:
+        raise ValueError(f"ranks {missing} are in no island; islands must cover 0..{world - 1}")
+    return island_of
+
+
+def build(
+    algorithm: str,
+    world: int,
+    islands: Optional[Sequence[Sequence[int]]] = None,
+    direction: str = "push",
+    staged: bool = True,
+) -> "_C.Schedule":
+    """A schedule for `algorithm` on `world` ranks; ValueError says why one cannot be built."""
+    return _C.build_schedule(algorithm, world, island_map(world, islands), direction, staged)
+
+
+def why_unsupported(
+    algorithm: str, world: int, islands: Optional[Sequence[Sequence[int]]] = None
+) -> Optional[str]:
+    return _C.why_unsupported(algorithm, world, island_map(world, islands))

@@ -1,0 +1,534 @@
+// Every builder's schedules, for every accepted (algorithm, world, islands, direction, staged),
+// are proven by the verifier, replayed numerically, and encoded for the transports.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <ostream>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "plan/layout.h"
+#include "plan/schedule.h"
+#include "plan/verify.h"
+
+namespace pcie_ar::plan {
+namespace {
+
+std::vector<int> halves(int world) {
+  std::vector<int> island_of(world);
+  for (int r = 0; r < world; ++r) island_of[r] = r < world / 2 ? 0 : 1;
+  return island_of;
+}
+
+std::vector<int> interleaved(int world) {
+  std::vector<int> island_of(world);
+  for (int r = 0; r < world; ++r) island_of[r] = r % 2;
+  return island_of;
+}
+
+std::string first_error(const Verification& v) {
+  return v.errors.empty() ? "(no error)" : v.errors.front();
+}
+
+struct Case {
+  Algorithm algorithm;
+  Direction direction;
+  bool staged;
+  int world;
+  std::vector<int> island_of;
+  std::string islands_name;
+};
+
+// Keeps CTest's listing readable (the default prints the parameter's bytes).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << algorithm_name(c.algorithm) << "/" << direction_name(c.direction)
+      << (c.staged ? "/staged" : "/unstaged") << " w" << c.world << " " << c.islands_name;
+}
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return std::string(algorithm_name(c.algorithm)) + "_" + std::string(direction_name(c.direction)) +
+         (c.staged ? "_staged" : "_unstaged") + "_w" + std::to_string(c.world) + "_" +
+         c.islands_name;
+}
+
+// Every combination the builders accept, over flat, split-in-half and interleaved islands.
+std::vector<Case> accepted_cases() {
+  std::vector<Case> cases;
+  for (Algorithm a : kAllAlgorithms) {
+    for (int world = 2; world <= kMaxWorld; ++world) {
+      std::vector<std::pair<std::vector<int>, std::string>> maps = {{{}, "flat"}};
+      if (world % 2 == 0) {
+        maps.emplace_back(halves(world), "halves");
+        if (world >= 4) maps.emplace_back(interleaved(world), "interleaved");
+      }
+      for (const auto& [island_of, name] : maps) {
+        if (why_unsupported(a, world, island_of)) continue;
+        for (Direction d : {Direction::kPush, Direction::kPull}) {
+          for (bool staged : {false, true}) cases.push_back({a, d, staged, world, island_of, name});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// Replays the encoded programs of all ranks with real numbers, single-threaded, honouring
+// flags, block by block: what a transport does, minus concurrency.
+class Replay {
+ public:
+  Replay(const Schedule& s, int64_t numel, int blocks, bool in_place)
+      : s_(s), numel_(numel), blocks_(blocks), in_place_(in_place) {
+    for (int r = 0; r < s.world; ++r) programs_.push_back(encode_program(s, r));
+    std::mt19937 rng(1234 + s.world);
+    std::uniform_int_distribution<int> dist(-64, 64);
+    inputs_.assign(s.world, std::vector<float>(numel));
+    for (auto& in : inputs_) {
+      for (auto& x : in) x = static_cast<float>(dist(rng));
+    }
+    outputs_ = in_place
+                   ? inputs_
+                   : std::vector<std::vector<float>>(s.world, std::vector<float>(numel, -999.f));
+    slots_.assign(s.world, std::vector<std::vector<float>>(num_slots_for(s.world),
+                                                           std::vector<float>(numel, -777.f)));
+  }
+
+  // Returns false on deadlock.
+  bool run() {
+    for (int b = 0; b < blocks_; ++b) {
+      flags_.clear();
+      std::vector<int> pc(s_.world, 0);
+      bool done = false;
+      while (!done) {
+        done = true;
+        bool progress = false;
+        for (int r = 0; r < s_.world; ++r) {
+          const Program& p = programs_[r];
+          while (pc[r] < p.num_steps) {
+            const Step& step = p.steps[pc[r]];
+            if (step.kind == StepKind::kWait && !flags_.count({step.flag_owner, step.flag})) break;
+            execute(r, b, step);
+            ++pc[r];
+            progress = true;
+          }
+          if (pc[r] < p.num_steps) done = false;
+        }
+        if (!done && !progress) return false;
+      }
+    }
+    return true;
+  }
+
+  float expected(int64_t i) const {
+    float sum = 0;
+    for (int r = 0; r < s_.world; ++r) sum += original_inputs_.empty() ? 0 : original_inputs_[r][i];
+    return sum;
+  }
+
+  void keep_inputs() { original_inputs_ = inputs_; }
+  const std::vector<float>& output(int r) const { return in_place_ ? inputs_[r] : outputs_[r]; }
+
+ private:
+  float* resolve(int r, const BufRef& buf) {
+    switch (buf.space) {
+      case Space::kInput:
+        EXPECT_EQ(buf.owner, r);
+        return inputs_[r].data();
+      case Space::kOutput:
+        EXPECT_EQ(buf.owner, r);
+        return in_place_ ? inputs_[r].data() : outputs_[r].data();
+      case Space::kSlot:
+        return slots_[buf.owner][buf.slot].data();
+    }
+    return nullptr;
+  }
+
+  void execute(int r, int block, const Step& step) {
+    if (step.kind == StepKind::kSignal) {
+      flags_[{step.flag_owner, step.flag}] = r;
+      return;
+    }
+    if (step.kind == StepKind::kWait) {
+      EXPECT_EQ(flags_.at({step.flag_owner, step.flag}), step.peer);
+      return;
+    }
+    // 4 fp32 elements per 16-byte vector.
+    const VecRange v = slice_range(numel_ / 4, programs_[r].num_chunks, step.chunk, blocks_, block);
+    float* dst = resolve(r, step.dst);
+    for (int64_t i = v.begin * 4; i < v.end * 4; ++i) {
+      float acc = resolve(r, step.srcs[0])[i];
+      for (int k = 1; k < step.num_srcs; ++k) acc += resolve(r, step.srcs[k])[i];
+      dst[i] = acc;
+    }
+  }
+
+  const Schedule& s_;
+  int64_t numel_;
+  int blocks_;
+  bool in_place_;
+  std::vector<Program> programs_;
+  std::vector<std::vector<float>> inputs_, original_inputs_, outputs_;
+  std::vector<std::vector<std::vector<float>>> slots_;
+  std::map<std::pair<int, int>, int> flags_;
+};
+
+class EveryAcceptedSchedule : public testing::TestWithParam<Case> {};
+
+TEST_P(EveryAcceptedSchedule, VerifiesOutOfPlaceAndInPlace) {
+  const Case& c = GetParam();
+  const Schedule s = build_schedule(c.algorithm, c.direction, c.staged, c.world, c.island_of);
+  for (bool in_place : {false, true}) {
+    const Verification v = verify(s, VerifyOptions{in_place});
+    EXPECT_TRUE(v.ok) << first_error(v);
+    if (c.staged) {
+      EXPECT_LE(v.max_outbound_per_stage, 1);
+      EXPECT_LE(v.max_inbound_per_stage, 1);
+    }
+    EXPECT_LE(v.max_steps, kMaxSteps);
+  }
+}
+
+TEST_P(EveryAcceptedSchedule, ReplayedStepListsProduceTheSum) {
+  const Case& c = GetParam();
+  const Schedule s = build_schedule(c.algorithm, c.direction, c.staged, c.world, c.island_of);
+  // 4 fp32 per vector; an odd vector count so chunks and slices are uneven.
+  for (int blocks : {1, 3}) {
+    for (bool in_place : {false, true}) {
+      Replay replay(s, 4 * 37, blocks, in_place);
+      replay.keep_inputs();
+      ASSERT_TRUE(replay.run()) << "deadlock";
+      for (int r = 0; r < c.world; ++r) {
+        for (int64_t i = 0; i < 4 * 37; ++i) {
+          // Small integers sum exactly in fp32, whatever the order.
+          ASSERT_EQ(replay.output(r)[i], replay.expected(i))
+              << "rank " << r << " element " << i << " blocks " << blocks << " in_place "
+              << in_place;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(EveryAcceptedSchedule, EncodesEveryRank) {
+  const Case& c = GetParam();
+  const Schedule s = build_schedule(c.algorithm, c.direction, c.staged, c.world, c.island_of);
+  for (int r = 0; r < c.world; ++r) {
+    const Program p = encode_program(s, r);
+    EXPECT_EQ(p.rank, r);
+    EXPECT_EQ(p.world, c.world);
+    EXPECT_EQ(p.num_chunks, s.num_chunks);
+    ASSERT_EQ(p.num_steps, s.programs[r].size());
+    for (int i = 0; i < p.num_steps; ++i) {
+      EXPECT_EQ(describe_step(p.steps[i]), describe_step(s.programs[r][i]));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedule, EveryAcceptedSchedule, testing::ValuesIn(accepted_cases()),
+                         case_name);
+
+TEST(Schedule, AcceptedCasesCoverEveryAlgorithmAndWorld) {
+  std::map<Algorithm, std::set<int>> worlds;
+  for (const Case& c : accepted_cases()) worlds[c.algorithm].insert(c.world);
+  EXPECT_EQ(worlds[Algorithm::kOneshot], (std::set<int>{2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(worlds[Algorithm::kTwoshot], (std::set<int>{2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(worlds[Algorithm::kIslandOneshot], (std::set<int>{4, 6, 8}));
+  EXPECT_EQ(worlds[Algorithm::kIslandTwoshot], (std::set<int>{4, 6, 8}));
+}
+
+TEST(Schedule, IslandTwoshotMovesOneMessageEachWayAcrossTwoIslandsOfFour) {
+  for (Direction d : {Direction::kPush, Direction::kPull}) {
+    for (bool staged : {false, true}) {
+      const Verification v =
+          verify(build_schedule(Algorithm::kIslandTwoshot, d, staged, 8, halves(8)));
+      ASSERT_TRUE(v.ok);
+      EXPECT_DOUBLE_EQ(v.cross_island[0], 1.0);
+      EXPECT_DOUBLE_EQ(v.cross_island[1], 1.0);
+    }
+  }
+}
+
+TEST(Schedule, FlatOneshotMovesSixteenMessagesEachWayAcrossTwoIslandsOfFour) {
+  for (Direction d : {Direction::kPush, Direction::kPull}) {
+    const Verification v = verify(build_schedule(Algorithm::kOneshot, d, true, 8, halves(8)));
+    ASSERT_TRUE(v.ok);
+    EXPECT_DOUBLE_EQ(v.cross_island[0], 16.0);
+    EXPECT_DOUBLE_EQ(v.cross_island[1], 16.0);
+    EXPECT_DOUBLE_EQ(v.cross_island_elements(), 16.0);
+  }
+}
+
+TEST(Schedule, IslandOneshotMovesOneMessagePerPartnerPair) {
+  const Verification v =
+      verify(build_schedule(Algorithm::kIslandOneshot, Direction::kPush, true, 8, halves(8)));
+  ASSERT_TRUE(v.ok);
+  EXPECT_DOUBLE_EQ(v.cross_island_elements(), 4.0);
+}
+
+TEST(Schedule, UnstagedOneshotTalksToEveryPeerAtOnce) {
+  const Verification v = verify(build_schedule(Algorithm::kOneshot, Direction::kPush, false, 8));
+  ASSERT_TRUE(v.ok);
+  EXPECT_EQ(v.max_outbound_per_stage, 7);
+  EXPECT_EQ(v.max_inbound_per_stage, 7);
+}
+
+TEST(Schedule, FlatTopologyCrossesNothing) {
+  const Verification v = verify(build_schedule(Algorithm::kTwoshot, Direction::kPush, true, 8));
+  ASSERT_TRUE(v.ok);
+  EXPECT_DOUBLE_EQ(v.cross_island_elements(), 0.0);
+}
+
+TEST(Schedule, SentToCountsEveryPeerTransfer) {
+  // Oneshot push: each rank sends the whole message to each peer exactly once.
+  const Verification v = verify(build_schedule(Algorithm::kOneshot, Direction::kPush, true, 4));
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) EXPECT_DOUBLE_EQ(v.sent_to[a][b], a == b ? 0.0 : 1.0);
+  }
+  // Twoshot: a quarter to each peer in each of the two phases.
+  const Verification t = verify(build_schedule(Algorithm::kTwoshot, Direction::kPush, true, 4));
+  EXPECT_DOUBLE_EQ(t.sent_to[0][1], 0.5);
+}
+
+TEST(Schedule, RefusesWhatItCannotBuildWithAReason) {
+  EXPECT_THROW(build_schedule(Algorithm::kOneshot, Direction::kPush, true, 1), UnsupportedSchedule);
+  EXPECT_THROW(build_schedule(Algorithm::kOneshot, Direction::kPush, true, 9), UnsupportedSchedule);
+  try {
+    build_schedule(Algorithm::kIslandTwoshot, Direction::kPush, true, 8, {0, 0, 0, 1, 1, 1, 1, 1});
+    FAIL() << "uneven islands accepted";
+  } catch (const UnsupportedSchedule& e) {
+    EXPECT_NE(std::string(e.what()).find("uneven"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(why_unsupported(Algorithm::kIslandOneshot, 8, {}).has_value());
+  EXPECT_TRUE(why_unsupported(Algorithm::kIslandOneshot, 8, {0, 0, 1, 1, 2, 2, 3, 3}).has_value());
+  EXPECT_TRUE(why_unsupported(Algorithm::kIslandOneshot, 2, {0, 1}).has_value());
+  EXPECT_FALSE(why_unsupported(Algorithm::kIslandOneshot, 6, {0, 0, 0, 1, 1, 1}).has_value());
+}
+
+// ---------------------------------------------------------------- broken schedules
+Schedule good() { return build_schedule(Algorithm::kTwoshot, Direction::kPush, true, 4); }
+
+Step* find_step(Schedule& s, int rank, StepKind kind, int nth = 0) {
+  for (Step& step : s.programs[rank]) {
+    if (step.kind == kind && nth-- == 0) return &step;
+  }
+  return nullptr;
+}
+
+bool mentions(const Verification& v, const std::string& text) {
+  for (const auto& e : v.errors) {
+    if (e.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(Verifier, AcceptsTheUnbrokenSchedule) { EXPECT_TRUE(verify(good()).ok); }
+
+TEST(Verifier, RejectsAnElementSummedTwice) {
+  Schedule s = good();
+  // Rank 0's final reduce of its own chunk: add its input a second time.
+  Step* reduce = nullptr;
+  for (Step& step : s.programs[0]) {
+    if (step.kind == StepKind::kReduce && step.num_srcs == 4) reduce = &step;
+  }
+  ASSERT_NE(reduce, nullptr);
+  reduce->srcs[reduce->num_srcs++] = reduce->srcs[0];
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "summed 2 times")) << first_error(v);
+}
+
+TEST(Verifier, RejectsAMissingContribution) {
+  Schedule s = good();
+  Step* reduce = nullptr;
+  for (Step& step : s.programs[2]) {
+    if (step.kind == StepKind::kReduce && step.num_srcs == 4) reduce = &step;
+  }
+  ASSERT_NE(reduce, nullptr);
+  reduce->num_srcs = 3;  // drops rank 3's operand
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "summed 0 times")) << first_error(v);
+}
+
+TEST(Verifier, RejectsTwoWritersIntoOneRankInOneStage) {
+  Schedule s = good();
+  // Rank 1's first staged send goes to rank 3 instead of rank 2: rank 3 now receives from two
+  // ranks in stage 0 (and rank 2 waits for data that never comes).
+  Step* send = find_step(s, 1, StepKind::kReduce);
+  ASSERT_NE(send, nullptr);
+  ASSERT_EQ(send->dst.owner, 2);
+  send->dst.owner = 3;
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "one inbound stream")) << first_error(v);
+}
+
+TEST(Verifier, RejectsAReadThatDoesNotWaitForItsFlag) {
+  // Unstaged: no later wait covers the removed one transitively (in a staged schedule a later
+  // stage's flag can, and the verifier rightly accepts that).
+  Schedule s = build_schedule(Algorithm::kOneshot, Direction::kPush, false, 3);
+  auto& program = s.programs[0];
+  for (auto it = program.begin(); it != program.end(); ++it) {
+    if (it->kind == StepKind::kWait) {
+      program.erase(it);
+      break;
+    }
+  }
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "race")) << first_error(v);
+}
+
+TEST(Verifier, RejectsADeadlock) {
+  Schedule s = good();
+  Step* wait = find_step(s, 0, StepKind::kWait);
+  ASSERT_NE(wait, nullptr);
+  wait->flag = static_cast<uint8_t>(num_flags_for(4) - 1);  // nobody raises it
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "deadlock")) << first_error(v);
+}
+
+TEST(Verifier, RejectsAFlagWithTwoWriters) {
+  Schedule s = good();
+  Step* sig0 = find_step(s, 0, StepKind::kSignal);
+  Step* sig1 = find_step(s, 1, StepKind::kSignal);
+  ASSERT_TRUE(sig0 && sig1);
+  sig1->flag_owner = sig0->flag_owner;
+  sig1->flag = sig0->flag;
+  EXPECT_FALSE(verify(s).ok);
+}
+
+TEST(Verifier, RejectsRanksThatSumInDifferentOrders) {
+  Schedule s = build_schedule(Algorithm::kOneshot, Direction::kPush, false, 3);
+  Step& last = s.programs[1].back();
+  ASSERT_EQ(last.num_srcs, 3);
+  std::swap(last.srcs[0], last.srcs[2]);
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "rank order") || mentions(v, "bitwise")) << first_error(v);
+}
+
+TEST(Verifier, RejectsInPlaceUseOfAScheduleThatRereadsItsInput) {
+  // Overwrite the output before a later read of the input: fine out of place, wrong in place.
+  Schedule s = build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
+  auto& p = s.programs[0];
+  Step copy_out;
+  copy_out.kind = StepKind::kReduce;
+  copy_out.num_srcs = 1;
+  copy_out.srcs[0] = BufRef{Space::kSlot, 0, 1, 0};
+  copy_out.dst = BufRef{Space::kOutput, 0, 0, 0};
+  // After the wait (slot 1 holds rank 1's data), before the final sum reads the input.
+  p.insert(p.end() - 1, copy_out);
+  EXPECT_TRUE(verify(s, VerifyOptions{false}).ok);
+  EXPECT_FALSE(verify(s, VerifyOptions{true}).ok);
+}
+
+TEST(Verifier, RejectsAPushScheduleThatReadsPeerMemory) {
+  Schedule s = build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
+  Step& last = s.programs[0].back();
+  last.srcs[1] = BufRef{Space::kSlot, 1, 0, 0};
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "reads peer memory")) << first_error(v);
+}
+
+// ---------------------------------------------------------------- layout
+TEST(Layout, IsAlignedAndHoldsEverySlot) {
+  const Layout l = make_layout(393216, 8, 2);
+  EXPECT_EQ(l.num_slots, num_slots_for(8));
+  EXPECT_EQ(l.flags_offset % kAlignBytes, 0u);
+  EXPECT_EQ(l.data_offset % kAlignBytes, 0u);
+  EXPECT_EQ(l.slot_bytes % kAlignBytes, 0u);
+  EXPECT_GE(l.slot_bytes, 393216u * 2);
+  EXPECT_EQ(l.slot_offset(1, l.num_slots - 1) + l.slot_bytes, l.total_bytes);
+  EXPECT_LE(l.flag_offset(1, l.max_blocks - 1, l.num_flags - 1) + sizeof(FlagWord),
+            l.control_bytes);
+  EXPECT_LE(l.control_bytes, l.data_offset);
+  // Every slot every algorithm uses fits: the builders only name slots below num_slots.
+  EXPECT_EQ(slot_gather(8), l.num_slots - 1);
+}
+
+TEST(Layout, IsAPureFunctionOfItsInputs) {
+  EXPECT_EQ(make_layout(4096, 4, 2), make_layout(4096, 4, 2));
+  EXPECT_EQ(layout_hash(make_layout(4096, 4, 2)), layout_hash(make_layout(4096, 4, 2)));
+  EXPECT_NE(layout_hash(make_layout(4096, 4, 2)), layout_hash(make_layout(4096, 4, 4)));
+  EXPECT_NE(layout_hash(make_layout(4096, 4, 2)), layout_hash(make_layout(4104, 4, 2)));
+}
+
+TEST(Layout, RejectsBadArgumentsWithAReason) {
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { make_layout(4096, 1, 2); }).find("world size"), std::string::npos);
+  EXPECT_NE(message([] { make_layout(4097, 2, 2); }).find("multiple of 16 bytes"),
+            std::string::npos);
+  EXPECT_NE(message([] { make_layout(4096, 2, 3); }).find("element size"), std::string::npos);
+  EXPECT_NE(message([] { make_layout(4096, 2, 2, 0); }).find("max_blocks"), std::string::npos);
+}
+
+TEST(Layout, InitialisedControlExpectsTheNextGeneration) {
+  const Layout l = make_layout(1024, 2, 4, 4);
+  std::vector<unsigned char> control(l.control_bytes);
+  initialize_control(control.data(), l, 0xFFFFFFFEu);
+  const auto* flag = reinterpret_cast<const FlagWord*>(control.data() + l.flag_offset(1, 3, 5));
+  EXPECT_EQ(flag->gen, 0xFFFFFFFEu);
+  EXPECT_FALSE(gen_reached(flag->gen, 0xFFFFFFFFu));
+  EXPECT_TRUE(gen_reached(0u, 0xFFFFFFFFu));  // across the wrap
+  EXPECT_FALSE(gen_reached(0xFFFFFFFFu, 0u));
+}
+
+TEST(Layout, SlicesCoverEveryVectorExactlyOnce) {
+  for (int64_t vecs : {1, 7, 64, 1000}) {
+    for (int chunks : {1, 3, 8}) {
+      for (int blocks : {1, 5, 64}) {
+        std::vector<int> hits(vecs, 0);
+        for (int c = 0; c < chunks; ++c) {
+          for (int b = 0; b < blocks; ++b) {
+            const VecRange r = slice_range(vecs, chunks, c, blocks, b);
+            for (int64_t v = r.begin; v < r.end; ++v) ++hits[v];
+          }
+        }
+        for (int64_t v = 0; v < vecs; ++v) ASSERT_EQ(hits[v], 1) << vecs << " " << chunks;
+      }
+    }
+  }
+}
+
+TEST(Tactic, NamesRoundTripAndSignaturesDiffer) {
+  for (Algorithm a : kAllAlgorithms) EXPECT_EQ(parse_algorithm(algorithm_name(a)), a);
+  for (DType d : kAllDTypes) EXPECT_EQ(parse_dtype(dtype_name(d)), d);
+  EXPECT_FALSE(parse_algorithm("threeshot").has_value());
+  Tactic t;
+  Tactic u = t;
+  u.blocks = 2;
+  EXPECT_NE(call_signature(DType::kBF16, t), call_signature(DType::kBF16, u));
+  EXPECT_NE(call_signature(DType::kBF16, t), call_signature(DType::kFP16, t));
+  u = t;
+  u.threads = 512;  // threads do not change what peers see
+  EXPECT_EQ(call_signature(DType::kBF16, t), call_signature(DType::kBF16, u));
+  EXPECT_EQ(tactic_label(t), "oneshot/push/staged/b1/t256");
+}
+
+TEST(Protocol, DescribesATimeoutNamingThePeer) {
+  Diagnostic d{};
+  d.kind = static_cast<uint32_t>(FailureKind::kTimeout);
+  d.rank = 0;
+  d.peer = 2;
+  d.gen_seen = 6;
+  d.gen_expected = 7;
+  const std::string text = describe_failure(d, 30);
+  EXPECT_NE(text.find("rank 0 timed out after 30 s"), std::string::npos) << text;
+  EXPECT_NE(text.find("waiting for rank 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("seen 6, expected 7"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace pcie_ar::plan

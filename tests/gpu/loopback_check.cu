@@ -1,0 +1,787 @@
+// The device check of the CUDA IPC transport (target pcie_gpu_check; tests/gpu/run.sh runs it).
+// On one GPU, in loopback (N virtual ranks in one grid), it runs every schedule the builders
+// accept for world 2, 4 and 8 (flat, two islands of halves, and odd/even islands for world 8)
+// × push/pull × staged/unstaged × bf16/fp16/fp32 × message sizes × launch shapes, and checks
+// every rank's output against a float64 reference and bitwise across ranks. Then it captures
+// one all-reduce per tactic in a CUDA graph, replays it 1000 times with inputs that change on
+// every replay, and prints a latency table. Loopback measures kernel and protocol overhead on
+// one GPU, not PCIe.
+//
+//   pcie_gpu_check                  correctness, graph replay, latency; exit 1 on any failure
+//   pcie_gpu_check --quick          fewer sizes and shapes, no latency table
+//   pcie_gpu_check --timeout-test   world 2 with rank 1 withheld: expects a timeout diagnostic
+//   pcie_gpu_check --mismatch-test  rank 0 reduces bf16, rank 1 fp16: expects a mismatch
+// The last two end with a trapped kernel, which kills the CUDA context: run each in its own
+// process.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/layout.h"
+#include "plan/protocol.h"
+#include "plan/schedule.h"
+#include "plan/tactic.h"
+#include "transport/cuda_ipc.h"
+
+namespace {
+
+namespace plan = pcie_ar::plan;
+using pcie_ar::transport::CudaLoopback;
+using plan::Algorithm;
+using plan::Direction;
+using plan::DType;
+
+constexpr double kTimeoutS = 10.0;             // a protocol bug traps instead of hanging
+constexpr uint32_t kInitialGen = 0xFFFFFF00u;  // the first 256 calls of a world cross 2^32
+constexpr int64_t kGuardBytes = 256;           // poisoned tail after every output
+constexpr int kGraphReplays = 1000;
+constexpr int kMaxReportedFailures = 40;
+
+// ------------------------------------------------------------------ bookkeeping
+
+struct Tally {
+  int pass = 0;
+  int fail = 0;
+  int skip = 0;
+};
+std::map<std::string, Tally> g_tally;  // "world 4 | correctness" -> counts
+std::vector<std::string> g_tally_order;
+int g_reported = 0;
+const CudaLoopback* g_loopback = nullptr;  // whose diagnostic to print if a kernel traps
+
+Tally& tally(const std::string& key) {
+  if (!g_tally.count(key)) g_tally_order.push_back(key);
+  return g_tally[key];
+}
+
+void report(const std::string& line) {
+  if (++g_reported <= kMaxReportedFailures) std::printf("FAIL %s\n", line.c_str());
+  if (g_reported == kMaxReportedFailures) std::printf("(further failures not printed)\n");
+}
+
+int print_summary() {
+  int fails = 0;
+  std::printf("\n==== summary ====\n%-34s %7s %7s %7s\n", "check", "pass", "fail", "skip");
+  for (const std::string& key : g_tally_order) {
+    const Tally& t = g_tally[key];
+    std::printf("%-34s %7d %7d %7d\n", key.c_str(), t.pass, t.fail, t.skip);
+    fails += t.fail;
+  }
+  std::printf("RESULT: %s (%d failure%s)\n", fails ? "FAIL" : "PASS", fails, fails == 1 ? "" : "s");
+  return fails;
+}
+
+// A CUDA error here is fatal: after a trapped kernel the context is gone. Print what the
+// kernel recorded, the summary so far, and stop.
+void check_cuda(cudaError_t err, const char* what, int line) {
+  if (err == cudaSuccess) return;
+  std::printf("FATAL: CUDA error at loopback_check.cu:%d: %s: %s (%s)\n", line, what,
+              cudaGetErrorName(err), cudaGetErrorString(err));
+  if (g_loopback != nullptr) {
+    if (auto d = g_loopback->failure()) {
+      std::printf("kernel diagnostic: %s\n", plan::describe_failure(*d, kTimeoutS).c_str());
+    }
+  }
+  tally("fatal CUDA error").fail++;
+  print_summary();
+  std::exit(1);
+}
+#define CHECK_CUDA(expr) check_cuda((expr), #expr, __LINE__)
+
+// ------------------------------------------------------------------ dtypes on the host
+
+double unit_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return std::ldexp(1.0, -8);
+    case DType::kFP16:
+      return std::ldexp(1.0, -11);
+    case DType::kFP32:
+      return std::ldexp(1.0, -24);
+  }
+  return 1.0;
+}
+
+float decode(DType dtype, const uint8_t* data, int64_t i) {
+  switch (dtype) {
+    case DType::kBF16: {
+      uint16_t bits;
+      std::memcpy(&bits, data + 2 * i, 2);
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+      float f;
+      std::memcpy(&f, &wide, 4);
+      return f;
+    }
+    case DType::kFP16: {
+      __half h;
+      std::memcpy(&h, data + 2 * i, 2);
+      return __half2float(h);
+    }
+    case DType::kFP32: {
+      float f;
+      std::memcpy(&f, data + 4 * i, 4);
+      return f;
+    }
+  }
+  return 0.0f;
+}
+
+void encode(DType dtype, uint8_t* data, int64_t i, float v) {
+  switch (dtype) {
+    case DType::kBF16: {
+      const __nv_bfloat16 b = __float2bfloat16_rn(v);
+      std::memcpy(data + 2 * i, &b, 2);
+      return;
+    }
+    case DType::kFP16: {
+      const __half h = __float2half_rn(v);
+      std::memcpy(data + 2 * i, &h, 2);
+      return;
+    }
+    case DType::kFP32:
+      std::memcpy(data + 4 * i, &v, 4);
+      return;
+  }
+}
+
+std::string size_label(int64_t bytes) {
+  char buf[32];
+  if (bytes >= (1 << 20) && bytes % (1 << 20) == 0) {
+    std::snprintf(buf, sizeof(buf), "%lldMiB", static_cast<long long>(bytes >> 20));
+  } else if (bytes >= 1024 && bytes % 1024 == 0) {
+    std::snprintf(buf, sizeof(buf), "%lldKiB", static_cast<long long>(bytes >> 10));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lldB", static_cast<long long>(bytes));
+  }
+  return buf;
+}
+
+// ------------------------------------------------------------------ schedules under test
+
+struct Case {
+  plan::Schedule schedule;
+  std::string label;  // "island_twoshot/pull/staged islands 01010101"
+  bool island = false;
+  bool interleaved = false;
+};
+
+std::string islands_text(const std::vector<int>& islands) {
+  std::string text;
+  for (int i : islands) text += static_cast<char>('0' + i);
+  return text;
+}
+
+std::vector<Case> cases_for(int world) {
+  std::vector<std::vector<int>> maps = {{}};
+  if (world >= 4) {
+    std::vector<int> halves(world), odd_even(world);
+    for (int r = 0; r < world; ++r) {
+      halves[r] = r < world / 2 ? 0 : 1;
+      odd_even[r] = r % 2;
+    }
+    maps.push_back(halves);
+    if (world == 8) maps.push_back(odd_even);
+  }
+  std::vector<Case> cases;
+  for (size_t m = 0; m < maps.size(); ++m) {
+    for (Algorithm algorithm : plan::kAllAlgorithms) {
+      const bool island = plan::is_island_algorithm(algorithm);
+      if (island == maps[m].empty()) continue;  // flat algorithms once, islands per map
+      if (plan::why_unsupported(algorithm, world, maps[m])) continue;
+      for (Direction direction : {Direction::kPush, Direction::kPull}) {
+        for (bool staged : {true, false}) {
+          Case c;
+          c.schedule = plan::build_schedule(algorithm, direction, staged, world, maps[m]);
+          c.label = std::string(plan::algorithm_name(algorithm)) + "/" +
+                    std::string(plan::direction_name(direction)) +
+                    (staged ? "/staged" : "/unstaged");
+          if (island) c.label += " islands " + islands_text(maps[m]);
+          c.island = island;
+          c.interleaved = m == 2;
+          cases.push_back(std::move(c));
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+plan::Tactic tactic_of(const Case& c, int blocks, int threads) {
+  plan::Tactic t;
+  t.algorithm = c.schedule.algorithm;
+  t.direction = c.schedule.direction;
+  t.staged = c.schedule.staged;
+  t.blocks = blocks;
+  t.threads = threads;
+  return t;
+}
+
+// ------------------------------------------------------------------ device buffers
+
+struct Buffers {
+  int world = 0;
+  int64_t max_bytes = 0;
+  std::vector<uint8_t*> in, out;  // device, max_bytes + kGuardBytes each
+  std::vector<uint8_t*> host;     // pinned, one per rank
+  cudaStream_t stream = nullptr;
+
+  Buffers(int w, int64_t bytes) : world(w), max_bytes(bytes), in(w), out(w), host(w) {
+    for (int r = 0; r < w; ++r) {
+      CHECK_CUDA(cudaMalloc(&in[r], bytes + kGuardBytes));
+      CHECK_CUDA(cudaMalloc(&out[r], bytes + kGuardBytes));
+      CHECK_CUDA(cudaMallocHost(&host[r], bytes + kGuardBytes));
+    }
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  ~Buffers() {
+    for (int r = 0; r < world; ++r) {
+      cudaFree(in[r]);
+      cudaFree(out[r]);
+      cudaFreeHost(host[r]);
+    }
+    cudaStreamDestroy(stream);
+  }
+  std::vector<const void*> inputs() const { return {in.begin(), in.end()}; }
+  std::vector<void*> outputs() const { return {out.begin(), out.end()}; }
+};
+
+// Random inputs for one (world, dtype, size), never zero, and their float64 reference.
+struct Data {
+  DType dtype = DType::kBF16;
+  int64_t numel = 0;
+  int64_t bytes = 0;
+  std::vector<std::vector<uint8_t>> inputs;  // per rank, dtype bits
+  std::vector<double> sum, abs_sum;          // exact sum of the rounded inputs, in rank order
+
+  Data(int world, DType d, int64_t nbytes, uint64_t seed)
+      : dtype(d), numel(nbytes / plan::dtype_bytes(d)), bytes(nbytes), inputs(world) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> magnitude(1.0f / 32, 1.0f);
+    sum.assign(numel, 0.0);
+    abs_sum.assign(numel, 0.0);
+    for (int r = 0; r < world; ++r) {
+      inputs[r].resize(bytes);
+      for (int64_t i = 0; i < numel; ++i) {
+        const float v = (rng() & 1 ? 1.0f : -1.0f) * magnitude(rng);
+        encode(d, inputs[r].data(), i, v);
+        const double rounded = decode(d, inputs[r].data(), i);
+        sum[i] += rounded;
+        abs_sum[i] += std::fabs(rounded);
+      }
+    }
+  }
+};
+
+// ------------------------------------------------------------------ correctness
+
+struct Shape {
+  int blocks;
+  int threads;
+};
+
+// Runs one all-reduce and checks it: rank 0 against the reference within the rounding the
+// algorithm allows, every other rank bitwise equal to rank 0, the guard tails untouched.
+bool run_and_check(CudaLoopback& lb, int schedule_id, const Case& c, const Data& data, Buffers& buf,
+                   Shape shape, bool in_place, const std::string& what) {
+  const int world = buf.world;
+  const int64_t bytes = data.bytes;
+  const plan::Tactic tactic = tactic_of(c, shape.blocks, shape.threads);
+  for (int r = 0; r < world; ++r) {
+    CHECK_CUDA(cudaMemsetAsync(buf.out[r], 0xFF, bytes + kGuardBytes, buf.stream));  // NaN
+    if (in_place) {
+      CHECK_CUDA(
+          cudaMemcpyAsync(buf.out[r], buf.in[r], bytes, cudaMemcpyDeviceToDevice, buf.stream));
+    }
+  }
+  const std::vector<const void*> inputs =
+      in_place ? std::vector<const void*>(buf.out.begin(), buf.out.end()) : buf.inputs();
+  lb.launch(schedule_id, data.dtype, tactic, inputs, buf.outputs(), data.numel,
+            plan::call_signature(data.dtype, tactic), buf.stream);
+  CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+  for (int r = 0; r < world; ++r) {
+    CHECK_CUDA(cudaMemcpyAsync(buf.host[r], buf.out[r], bytes + kGuardBytes, cudaMemcpyDeviceToHost,
+                               buf.stream));
+  }
+  CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+
+  const double u = unit_roundoff(data.dtype);
+  const double accumulate = world * std::ldexp(1.0, -23);  // fp32 accumulation, generous
+  const uint8_t* out0 = buf.host[0];
+  for (int64_t i = 0; i < data.numel; ++i) {
+    const double got = decode(data.dtype, out0, i);
+    const double want = data.sum[i];
+    // One rounding of the result; island algorithms also round each island's partial.
+    const double tol =
+        u * std::fabs(want) + (c.island ? u * data.abs_sum[i] : 0.0) + accumulate * data.abs_sum[i];
+    if (!(std::fabs(got - want) <= tol)) {
+      char line[256];
+      std::snprintf(line, sizeof(line), ": rank 0 element %lld = %.9g, expected %.9g (tol %.3g)",
+                    static_cast<long long>(i), got, want, tol);
+      report(what + line);
+      return false;
+    }
+  }
+  for (int r = 1; r < world; ++r) {
+    if (std::memcmp(buf.host[r], out0, bytes) != 0) {
+      int64_t i = 0;
+      const int eb = plan::dtype_bytes(data.dtype);
+      while (i < data.numel && std::memcmp(buf.host[r] + i * eb, out0 + i * eb, eb) == 0) ++i;
+      char line[256];
+      std::snprintf(line, sizeof(line),
+                    ": rank %d differs from rank 0 at element %lld (%.9g vs %.9g)", r,
+                    static_cast<long long>(i), decode(data.dtype, buf.host[r], i),
+                    decode(data.dtype, out0, i));
+      report(what + line);
+      return false;
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    for (int64_t b = bytes; b < bytes + kGuardBytes; ++b) {
+      if (buf.host[r][b] != 0xFF) {
+        report(what + ": rank " + std::to_string(r) + " wrote past the message (byte " +
+               std::to_string(b) + ")");
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+std::vector<Shape> shapes_for(const CudaLoopback& lb, const Case& c, DType dtype, int world,
+                              bool quick) {
+  std::vector<Shape> shapes = {{1, 256}, {3, 96}, {16, 512}};
+  if (quick) shapes = {{3, 96}, {16, 512}};
+  // The widest grid that fits: every CTA of every virtual rank must be resident at once.
+  const int resident = lb.max_resident_blocks(dtype, c.schedule.direction, 1024);
+  for (int blocks : {64, 32, 16, 8}) {
+    if (blocks * world <= resident) {
+      shapes.push_back({blocks, 1024});
+      break;
+    }
+  }
+  return shapes;
+}
+
+void check_correctness(CudaLoopback& lb, const std::vector<Case>& cases,
+                       const std::vector<int>& ids, Buffers& buf, const std::vector<int64_t>& sizes,
+                       bool quick) {
+  const int world = buf.world;
+  const std::string key = "world " + std::to_string(world) + " | correctness";
+  const std::string key_in_place = "world " + std::to_string(world) + " | in-place";
+  const std::string key_inputs = "world " + std::to_string(world) + " | inputs untouched";
+  for (DType dtype : plan::kAllDTypes) {
+    for (int64_t bytes : sizes) {
+      const Data data(world, dtype, bytes,
+                      0x5EED0000ull + world * 1000 + bytes + static_cast<uint64_t>(dtype) * 7919);
+      for (int r = 0; r < world; ++r) {
+        CHECK_CUDA(cudaMemcpy(buf.in[r], data.inputs[r].data(), bytes, cudaMemcpyHostToDevice));
+      }
+      for (size_t k = 0; k < cases.size(); ++k) {
+        const Case& c = cases[k];
+        for (Shape shape : shapes_for(lb, c, dtype, world, quick)) {
+          const std::string what = "world " + std::to_string(world) + " " + c.label + " " +
+                                   std::string(plan::dtype_name(dtype)) + " " + size_label(bytes) +
+                                   " b" + std::to_string(shape.blocks) + " t" +
+                                   std::to_string(shape.threads);
+          (run_and_check(lb, ids[k], c, data, buf, shape, false, what) ? tally(key).pass
+                                                                       : tally(key).fail)++;
+        }
+        const Shape shape{16, 512};
+        const std::string what = "world " + std::to_string(world) + " " + c.label + " " +
+                                 std::string(plan::dtype_name(dtype)) + " " + size_label(bytes) +
+                                 " in-place";
+        (run_and_check(lb, ids[k], c, data, buf, shape, true, what) ? tally(key_in_place).pass
+                                                                    : tally(key_in_place).fail)++;
+      }
+      // No schedule may write the caller's input.
+      bool untouched = true;
+      for (int r = 0; r < world; ++r) {
+        CHECK_CUDA(cudaMemcpy(buf.host[r], buf.in[r], bytes, cudaMemcpyDeviceToHost));
+        if (std::memcmp(buf.host[r], data.inputs[r].data(), bytes) != 0) {
+          report("world " + std::to_string(world) + " " + std::string(plan::dtype_name(dtype)) +
+                 " " + size_label(bytes) + ": rank " + std::to_string(r) +
+                 "'s input was modified by a non-in-place all-reduce");
+          untouched = false;
+        }
+      }
+      (untouched ? tally(key_inputs).pass : tally(key_inputs).fail)++;
+    }
+    std::printf("world %d %s: done\n", world, std::string(plan::dtype_name(dtype)).c_str());
+    std::fflush(stdout);
+  }
+}
+
+// ------------------------------------------------------------------ graph replay
+
+struct RankPointers {
+  void* p[plan::kMaxWorld];
+};
+
+// An exactly representable value m/16, m in ±[1, 15], for rank r, element i, replay k: sums
+// of up to 8 of them (and island partials) are exact in bf16, so results compare exactly.
+__host__ __device__ int graph_sixteenths(int r, int64_t i, uint32_t k) {
+  uint64_t h = (static_cast<uint64_t>(k) << 40) ^ (static_cast<uint64_t>(r) << 32) ^
+               static_cast<uint64_t>(i);
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdull;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ull;
+  h ^= h >> 33;
+  const int m = static_cast<int>(h % 30) - 15;
+  return m >= 0 ? m + 1 : m;
+}
+
+// Captured before the all-reduce: rewrites every rank's input from the replay counter.
+__global__ void fill_inputs(RankPointers inputs, int world, int64_t numel,
+                            const uint32_t* counter) {
+  const uint32_t k = *counter;
+  const int64_t total = numel * world;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < total;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(j / numel);
+    const int64_t i = j % numel;
+    static_cast<__nv_bfloat16*>(inputs.p[r])[i] =
+        __float2bfloat16_rn(graph_sixteenths(r, i, k) / 16.0f);
+  }
+}
+
+// Captured after the all-reduce: the next replay sees new inputs.
+__global__ void bump(uint32_t* counter) { *counter += 1; }
+
+void check_graph_replay(CudaLoopback& lb, const std::vector<Case>& cases,
+                        const std::vector<int>& ids, Buffers& buf) {
+  const int world = buf.world;
+  const std::string key = "world " + std::to_string(world) + " | graph replay x1000";
+  const int64_t bytes = 96 * 1024;
+  const int64_t numel = bytes / 2;
+  uint32_t* counter = nullptr;
+  CHECK_CUDA(cudaMalloc(&counter, sizeof(uint32_t)));
+  RankPointers inputs{};
+  for (int r = 0; r < world; ++r) inputs.p[r] = buf.in[r];
+  const std::vector<int> checkpoints = {0, 1, 2, 3, 254, 255, 256, 257, 500, 998, 999};
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const Case& c = cases[k];
+    const plan::Tactic tactic = tactic_of(c, 8, 256);
+    const std::string what = "world " + std::to_string(world) + " " + c.label + " graph";
+    CHECK_CUDA(cudaMemset(counter, 0, sizeof(uint32_t)));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CHECK_CUDA(cudaStreamBeginCapture(buf.stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      fill_inputs<<<256, 256, 0, buf.stream>>>(inputs, world, numel, counter);
+      lb.launch(ids[k], DType::kBF16, tactic, buf.inputs(), buf.outputs(), numel,
+                plan::call_signature(DType::kBF16, tactic), buf.stream);
+      bump<<<1, 1, 0, buf.stream>>>(counter);
+    } catch (const std::exception& e) {
+      cudaStreamEndCapture(buf.stream, &graph);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      report(what + ": capture failed: " + e.what());
+      tally(key).fail++;
+      continue;
+    }
+    CHECK_CUDA(cudaStreamEndCapture(buf.stream, &graph));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    bool ok = true;
+    size_t next = 0;
+    for (int replay = 0; replay < kGraphReplays && ok; ++replay) {
+      CHECK_CUDA(cudaGraphLaunch(exec, buf.stream));
+      if (next < checkpoints.size() && checkpoints[next] == replay) {
+        ++next;
+        CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+        std::vector<int> want(numel, 0);
+        for (int q = 0; q < world; ++q) {
+          for (int64_t i = 0; i < numel; ++i) want[i] += graph_sixteenths(q, i, replay);
+        }
+        for (int r = 0; r < world && ok; ++r) {
+          CHECK_CUDA(cudaMemcpy(buf.host[r], buf.out[r], bytes, cudaMemcpyDeviceToHost));
+          for (int64_t i = 0; i < numel; ++i) {
+            const float got = decode(DType::kBF16, buf.host[r], i);
+            if (got != want[i] / 16.0f) {
+              char line[160];
+              std::snprintf(line, sizeof(line),
+                            ": replay %d rank %d element %lld = %g, expected %g", replay, r,
+                            static_cast<long long>(i), got, want[i] / 16.0);
+              report(what + line);
+              ok = false;
+              break;
+            }
+          }
+        }
+      }
+    }
+    CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    (ok ? tally(key).pass : tally(key).fail)++;
+  }
+  CHECK_CUDA(cudaFree(counter));
+}
+
+// ------------------------------------------------------------------ latency
+
+struct LatencyRow {
+  std::string label;
+  std::vector<std::string> cells;
+};
+
+// Median microseconds per call: kCalls launches captured in one graph, replayed kReps times.
+double time_per_call_us(CudaLoopback& lb, int schedule_id, const plan::Tactic& tactic,
+                        int64_t numel, Buffers& buf) {
+  constexpr int kCalls = 20;
+  constexpr int kWarmup = 3;
+  constexpr int kReps = 25;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CHECK_CUDA(cudaStreamBeginCapture(buf.stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kCalls; ++i) {
+    lb.launch(schedule_id, DType::kBF16, tactic, buf.inputs(), buf.outputs(), numel,
+              plan::call_signature(DType::kBF16, tactic), buf.stream);
+  }
+  CHECK_CUDA(cudaStreamEndCapture(buf.stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<double> samples;
+  for (int rep = 0; rep < kWarmup + kReps; ++rep) {
+    CHECK_CUDA(cudaEventRecord(start, buf.stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, buf.stream));
+    CHECK_CUDA(cudaEventRecord(stop, buf.stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (rep >= kWarmup) samples.push_back(1000.0 * ms / kCalls);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
+  return samples[samples.size() / 2];
+}
+
+void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std::vector<int>& ids,
+                     Buffers& buf, std::vector<std::string>& table) {
+  const int world = buf.world;
+  const std::vector<int64_t> sizes = {1024, 12 * 1024, 96 * 1024, 384 * 1024, 1024 * 1024};
+  const std::string key = "world " + std::to_string(world) + " | latency measured";
+  char line[512];
+  std::snprintf(line, sizeof(line),
+                "\nworld %d, bf16, us per call (best of blocks 4/16/32, 512 "
+                "threads; median of 25 graph replays of 20 calls)",
+                world);
+  table.push_back(line);
+  std::string header = "  tactic                                       ";
+  for (int64_t bytes : sizes) {
+    std::snprintf(line, sizeof(line), " %13s", size_label(bytes).c_str());
+    header += line;
+  }
+  table.push_back(header);
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const Case& c = cases[k];
+    if (c.interleaved) continue;  // same code path as the halves; keep the table short
+    std::snprintf(line, sizeof(line), "  %-45s", c.label.c_str());
+    std::string row = line;
+    for (int64_t bytes : sizes) {
+      double best = 0;
+      int best_blocks = 0;
+      for (int blocks : {4, 16, 32}) {
+        const plan::Tactic tactic = tactic_of(c, blocks, 512);
+        if (blocks * world > lb.max_resident_blocks(DType::kBF16, tactic.direction, 512)) {
+          tally(key).skip++;
+          continue;
+        }
+        const double us = time_per_call_us(lb, ids[k], tactic, bytes / 2, buf);
+        tally(key).pass++;
+        if (best_blocks == 0 || us < best) {
+          best = us;
+          best_blocks = blocks;
+        }
+      }
+      std::snprintf(line, sizeof(line), " %7.1f (b%2d)", best, best_blocks);
+      row += line;
+    }
+    table.push_back(row);
+  }
+}
+
+// ------------------------------------------------------------------ one world
+
+void run_world(int world, bool quick, bool latency, std::vector<std::string>& latency_table) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int64_t> sizes = {
+      16,     1024 + 16,  12 * 1024,  96 * 1024,
+      159744, 384 * 1024, 1024 * 1024};  // 159744 = 13 rows of hidden 6144 in bf16
+  if (quick) sizes = {16, 1024 + 16, 159744};
+  const int64_t max_bytes = 1024 * 1024;
+  // elem_bytes 4 so one workspace serves every dtype; max_numel counts bf16 elements.
+  CudaLoopback lb(plan::make_layout(max_bytes / 2, world, 4), 0, kInitialGen, kTimeoutS);
+  g_loopback = &lb;
+  Buffers buf(world, max_bytes);
+  const std::vector<Case> cases = cases_for(world);
+  std::vector<int> ids;
+  for (const Case& c : cases) ids.push_back(lb.add_schedule(c.schedule));
+  std::printf("world %d: %zu schedules\n", world, cases.size());
+  std::fflush(stdout);
+
+  check_correctness(lb, cases, ids, buf, sizes, quick);
+  check_graph_replay(lb, cases, ids, buf);
+  if (latency) measure_latency(lb, cases, ids, buf, latency_table);
+  g_loopback = nullptr;
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("world %d finished in %.1f s\n", world, s);
+  std::fflush(stdout);
+}
+
+// ------------------------------------------------------------------ failure paths
+
+// World 2 with only rank 0 launched: rank 0 must time out waiting for rank 1, record it, trap.
+int timeout_test() {
+  constexpr uint32_t kGen = 41;
+  constexpr double kTimeout = 1.0;
+  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, kTimeout);
+  const plan::Schedule schedule =
+      plan::build_schedule(Algorithm::kOneshot, Direction::kPush, true, 2);
+  const int id = lb.add_schedule(schedule);
+  Buffers buf(2, 1024 * 4);
+  plan::Tactic tactic;
+  tactic.algorithm = Algorithm::kOneshot;
+  tactic.direction = Direction::kPush;
+  tactic.staged = true;
+  tactic.blocks = 2;
+  tactic.threads = 128;
+  const auto t0 = std::chrono::steady_clock::now();
+  lb.launch(id, DType::kBF16, tactic, buf.inputs(), buf.outputs(), 1024,
+            plan::call_signature(DType::kBF16, tactic), buf.stream, /*first_rank=*/0,
+            /*count=*/1);
+  const cudaError_t err = cudaStreamSynchronize(buf.stream);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("kernel ended after %.2f s with %s (%s)\n", s, cudaGetErrorName(err),
+              cudaGetErrorString(err));
+  const auto d = lb.failure();
+  if (!d) {
+    std::printf("FAIL: no diagnostic was recorded\n");
+    return 1;
+  }
+  std::printf("diagnostic: %s\n", plan::describe_failure(*d, kTimeout).c_str());
+  const bool ok = err != cudaSuccess &&
+                  d->kind == static_cast<uint32_t>(plan::FailureKind::kTimeout) && d->rank == 0 &&
+                  d->peer == 1 && d->gen_expected == kGen + 1 && s >= 0.9 * kTimeout;
+  std::printf(
+      "%s: expected kind timeout, rank 0, peer 1, generation expected %u, after >= %.1f s\n",
+      ok ? "PASS" : "FAIL", kGen + 1, 0.9 * kTimeout);
+  return ok ? 0 : 1;
+}
+
+// Ranks 0 and 1 launched separately with different dtypes: whoever looks first must report
+// the disagreement instead of reducing garbage.
+int mismatch_test() {
+  constexpr uint32_t kGen = 7;
+  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, 5.0);
+  const int id =
+      lb.add_schedule(plan::build_schedule(Algorithm::kOneshot, Direction::kPush, true, 2));
+  Buffers buf(2, 1024 * 4);
+  cudaStream_t other = nullptr;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  plan::Tactic tactic;
+  tactic.algorithm = Algorithm::kOneshot;
+  tactic.direction = Direction::kPush;
+  tactic.staged = true;
+  tactic.blocks = 1;
+  tactic.threads = 128;
+  const uint32_t sig_bf16 = plan::call_signature(DType::kBF16, tactic);
+  const uint32_t sig_fp16 = plan::call_signature(DType::kFP16, tactic);
+  lb.launch(id, DType::kBF16, tactic, buf.inputs(), buf.outputs(), 1024, sig_bf16, buf.stream, 0,
+            1);
+  lb.launch(id, DType::kFP16, tactic, buf.inputs(), buf.outputs(), 1024, sig_fp16, other, 1, 1);
+  const cudaError_t err = cudaStreamSynchronize(buf.stream);
+  cudaStreamSynchronize(other);
+  std::printf("kernels ended with %s (%s)\n", cudaGetErrorName(err), cudaGetErrorString(err));
+  const auto d = lb.failure();
+  if (!d) {
+    std::printf("FAIL: no diagnostic was recorded\n");
+    return 1;
+  }
+  std::printf("diagnostic: %s\n", plan::describe_failure(*d, 5.0).c_str());
+  const bool pair_ok =
+      (d->rank == 0 && d->peer == 1 && d->signature == sig_bf16 && d->peer_signature == sig_fp16) ||
+      (d->rank == 1 && d->peer == 0 && d->signature == sig_fp16 && d->peer_signature == sig_bf16);
+  const bool ok = err != cudaSuccess &&
+                  d->kind == static_cast<uint32_t>(plan::FailureKind::kMismatch) && pair_ok &&
+                  d->gen_expected == kGen + 1 && d->numel == 1024 && d->peer_numel == 1024;
+  std::printf("%s: expected kind mismatch between ranks 0 and 1 (signatures 0x%08x / 0x%08x)\n",
+              ok ? "PASS" : "FAIL", sig_bf16, sig_fp16);
+  return ok ? 0 : 1;
+}
+
+void print_device() {
+  int device = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  int driver = 0, runtime = 0;
+  CHECK_CUDA(cudaDriverGetVersion(&driver));
+  CHECK_CUDA(cudaRuntimeGetVersion(&runtime));
+  std::printf("device %d: %s, sm_%d%d, %d SMs, driver %d, runtime %d\n", device, prop.name,
+              prop.major, prop.minor, prop.multiProcessorCount, driver, runtime);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  bool latency = true;
+  std::vector<int> worlds = {2, 4, 8};
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    try {
+      if (arg == "--timeout-test") return timeout_test();
+      if (arg == "--mismatch-test") return mismatch_test();
+    } catch (const std::exception& e) {
+      std::printf("FAIL: %s\n", e.what());
+      return 1;
+    }
+    if (arg == "--quick") {
+      quick = true;
+      latency = false;
+    } else if (arg == "--no-latency") {
+      latency = false;
+    } else if (arg.rfind("--world=", 0) == 0) {
+      worlds = {std::atoi(arg.c_str() + 8)};
+    } else {
+      std::printf(
+          "usage: %s [--quick] [--no-latency] [--world=N] | --timeout-test | "
+          "--mismatch-test\n",
+          argv[0]);
+      return 2;
+    }
+  }
+  try {
+    pcie_ar::transport::require_device(0);
+    print_device();
+    std::vector<std::string> latency_table;
+    for (int world : worlds) run_world(world, quick, latency, latency_table);
+    if (!latency_table.empty()) {
+      std::printf(
+          "\n==== latency (loopback on one GPU: kernel + protocol overhead, not PCIe) ====");
+      for (const std::string& line : latency_table) std::printf("%s\n", line.c_str());
+    }
+  } catch (const std::exception& e) {
+    std::printf("FATAL: %s\n", e.what());
+    tally("fatal exception").fail++;
+  }
+  return print_summary() == 0 ? 0 : 1;
+}

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The device check: the one script a machine with a GPU runs, from the repository root.
+# Builds the check program for sm_90 (no torch, no GoogleTest), records the GPU, runs the
+# loopback correctness / graph-replay / latency check, then the two failure paths (each traps
+# its kernel, which kills the CUDA context, so each runs in its own process). Logs go to $OUT.
+# Exits non-zero if any step fails; every step runs even after an earlier failure.
+set -o pipefail
+set -u
+
+OUT="${OUT:-build/gpu/out}"
+mkdir -p "$OUT"
+BUILD=build/gpu
+status=0
+
+step() {  # step NAME LOGFILE COMMAND...: runs, tees to $OUT/LOGFILE, records a failure
+  local name="$1" log="$2"
+  shift 2
+  echo "==== $name ===="
+  if "$@" 2>&1 | tee "$OUT/$log"; then
+    echo "==== $name: ok ===="
+  else
+    echo "==== $name: FAILED (exit ${PIPESTATUS[0]}) ===="
+    status=1
+  fi
+}
+
+step "configure" configure.log \
+  cmake -S . -B "$BUILD" -G Ninja -DPCIE_AR_WITH_TORCH=OFF -DPCIE_AR_CUDA_ARCHS=90 \
+  -DPCIE_AR_BUILD_TESTS=OFF
+step "build pcie_gpu_check" build.log \
+  cmake --build "$BUILD" --target pcie_gpu_check -j "$(nproc)"
+if [[ ! -x "$BUILD/pcie_gpu_check" ]]; then
+  echo "pcie_gpu_check was not built; see $OUT/build.log"
+  exit 1
+fi
+
+# The torch extension builds in the background while the loopback check runs.
+export TORCH_CUDA_ARCH_LIST=9.0 PCIE_AR_CUDA_ARCHS=90 PCIE_AR_BUILD_TESTS=OFF \
+  PCIE_AR_BUILD_DIR=build/gpu-torch PYTHONUNBUFFERED=1
+(python3 -m pip install --no-build-isolation --no-deps --no-index -q . >"$OUT/torch_build.log" 2>&1;
+ echo "exit $?" >>"$OUT/torch_build.log") &
+torch_build=$!
+
+step "nvidia-smi" nvidia-smi.log nvidia-smi
+nvidia-smi topo -m > "$OUT/nvidia-smi-topo.log" 2>&1 || true
+
+# Correctness for every schedule x direction x staging x dtype x size x shape, graph replay
+# x1000 per tactic, latency table. A protocol bug traps after 10 s instead of hanging; the
+# outer timeout is the last resort.
+step "loopback check" gpu_check.log timeout 420 "$BUILD/pcie_gpu_check"
+
+# Rank 1 withheld: rank 0 must time out after 1 s and name peer 1.
+step "timeout path" timeout_test.log timeout 120 "$BUILD/pcie_gpu_check" --timeout-test
+
+# Ranks launched with different dtypes: the flag's signature check must catch it.
+step "mismatch path" mismatch_test.log timeout 120 "$BUILD/pcie_gpu_check" --mismatch-test
+
+# torch-level checks: the real cuda_ipc transport through PcieAllReduce and the torch ops,
+# two processes sharing the GPU (IPC handles, graph capture, declines, timeout -> exception).
+wait "$torch_build"
+echo "==== build torch extension: $(tail -n 1 "$OUT/torch_build.log") ===="
+tail -n 20 "$OUT/torch_build.log"
+step "torch check" torch_check.log timeout 300 python3 tests/gpu/torch_check.py
+step "topo" topo.log python3 -m pcie_allreduce topo
+
+echo "==== device check: $([[ $status -eq 0 ]] && echo PASS || echo FAIL) ===="
+exit "$status"

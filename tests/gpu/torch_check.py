@@ -1,0 +1,179 @@
+"""Torch-level device check: PcieAllReduce on CUDA tensors through the real cuda_ipc transport.
+
+Two processes share GPU 0 (CUDA IPC handles between processes of one device are real IPC),
+joined by a gloo group, so one GPU exercises construction, handle exchange, the torch ops,
+CUDA-graph capture and replay, declines, destroy(), and the timeout path that turns a trapped
+kernel into PcieAllReduceTimeout. Without MPS the two processes' kernels time-slice, so the
+latencies printed here are not PCIe numbers. Prints PASS/FAIL lines; exits non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+RTOL = {"bf16": 2.0**-6, "fp16": 2.0**-9, "fp32": 1e-5}
+TABLES = {
+    "oneshot/push/staged": "*,*,*,0,*,oneshot,push,1,4,256\n",
+    "oneshot/pull/unstaged": "*,*,*,0,*,oneshot,pull,0,8,512\n",
+    "twoshot/push/unstaged": "*,*,*,0,*,twoshot,push,0,16,256\n",
+    "twoshot/pull/staged": "*,*,*,0,*,twoshot,pull,1,2,1024\n",
+}
+
+
+def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000003 * seed + 7919 * rank + numel)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def check(out: torch.Tensor, world: int, numel: int, name: str, seed: int = 0) -> None:
+    ref = torch.zeros(numel, dtype=torch.float64)
+    mag = torch.zeros(numel, dtype=torch.float64)
+    for r in range(world):
+        x = rank_input(r, numel, DTYPES[name], seed).double()
+        ref += x
+        mag += x.abs()
+    bad = int(((out.cpu().double() - ref).abs() > RTOL[name] * mag + 1e-6).sum())
+    if bad:
+        raise AssertionError(f"{bad} of {numel} {name} elements off the float64 reference")
+    bits = out.cpu().contiguous().view(torch.uint8)
+    everyone = [torch.empty_like(bits) for _ in range(world)]
+    dist.all_gather(everyone, bits)
+    if not all(torch.equal(everyone[0], e) for e in everyone):
+        raise AssertionError("ranks got different bits")
+
+
+def body(rank: int, world: int) -> list[str]:
+    from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
+
+    lines = []
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    for label, table in TABLES.items():
+        with PcieAllReduce(None, dev, max_numel=1 << 17, table=table, timeout_s=30) as ar:
+            assert ar.enabled, ar.disabled_reason
+            calls = 0
+            for name, dtype in DTYPES.items():
+                for numel in (8, 1000, 4104, 1 << 16, 1 << 17):
+                    x = rank_input(rank, numel, dtype, seed=calls).to(dev)
+                    before = x.clone()
+                    out = ar.all_reduce(x)
+                    ar.synchronize()
+                    assert torch.equal(x, before), "input modified"
+                    check(out, world, numel, name, seed=calls)
+                    calls += 1
+            y = rank_input(rank, 4096, torch.float32, seed=99).to(dev)
+            ar.all_reduce_(y)
+            ar.synchronize()
+            check(y, world, 4096, "fp32", seed=99)
+            # CUDA graph: capture one call, replay with new inputs written before each replay.
+            x = torch.empty(12288 // 2, dtype=torch.bfloat16, device=dev)
+            x.copy_(rank_input(rank, x.numel(), torch.bfloat16, seed=0))
+            ar.all_reduce(x)  # warm up outside capture
+            ar.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = ar.all_reduce(x)
+            for i in range(1, 41):
+                x.copy_(rank_input(rank, x.numel(), torch.bfloat16, seed=i))
+                graph.replay()
+                ar.synchronize()
+                check(y, world, x.numel(), "bf16", seed=i)
+            # Time eager calls (processes time-slice one GPU: protocol + scheduling, not PCIe).
+            z = rank_input(rank, 6144, torch.bfloat16).to(dev)
+            dist.barrier()
+            ar.synchronize()
+            start = time.perf_counter()
+            for _ in range(50):
+                ar.all_reduce(z)
+            ar.synchronize()
+            us = (time.perf_counter() - start) / 50 * 1e6
+            stats = ar.stats()
+            lines.append(
+                f"PASS {label}: {calls + 41} checked calls + graph x40; 12 KiB eager "
+                f"{us:.1f} us/call (time-sliced); calls={stats['calls']}"
+            )
+    # Declines go to the group's all-reduce and leave the input alone.
+    with PcieAllReduce(None, dev, max_numel=1024) as ar:
+        big = rank_input(rank, 4096, torch.float32).to(dev)
+        before = big.clone()
+        assert ar.decline_reason(big) == "too_large"
+        out = ar.all_reduce(big)
+        assert torch.equal(big, before)
+        check(out, world, 4096, "fp32")
+        assert ar.decline_reason(big.cpu()) == "device"
+        lines.append(f"PASS declines: {ar.stats()['declines']}")
+    # Timeout: rank 1 never calls; rank 0's kernel traps and names it. A trapped kernel leaves
+    # the CUDA context unusable (freeing a tensor then aborts the process), so rank 0 reports
+    # and exits without releasing anything.
+    ar = PcieAllReduce(None, dev, max_numel=1024, timeout_s=2.0,
+                       table=TABLES["oneshot/push/staged"])
+    dist.barrier()
+    if rank == 1:
+        time.sleep(8)
+        lines.append("PASS timeout (rank 1 withheld its call)")
+        return lines
+    x = rank_input(rank, 1024, torch.bfloat16).to(dev)
+    start = time.monotonic()
+    try:
+        out = ar.all_reduce(x)
+        ar.synchronize()
+        lines.append(f"FAIL no timeout ({out.shape})")
+    except PcieAllReduceTimeout as e:
+        took = time.monotonic() - start
+        verdict = "PASS" if e.peer == 1 and e.diagnostic.get("kind") == "timeout" else "FAIL"
+        lines.append(f"{verdict} timeout after {took:.1f} s: {type(e).__name__}: {e}")
+    report(rank, lines)
+
+
+def report(rank: int, lines: list[str]) -> None:
+    with open(os.path.join(os.environ["TORCH_CHECK_OUT"], f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(lines))
+    os._exit(0)  # a trapped CUDA context must not run teardown
+
+
+def entry(rank: int, world: int, init: str, out_dir: str) -> None:
+    os.environ["TORCH_CHECK_OUT"] = out_dir
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+        lines = body(rank, world)
+    except BaseException:
+        lines = ["FAIL " + traceback.format_exc()]
+    report(rank, lines)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("FAIL no CUDA device")
+        return 1
+    world = 2
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=entry, args=(r, world, os.path.join(tmp, "init"), tmp))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+            if p.is_alive():
+                p.kill()
+        ok = True
+        for r in range(world):
+            path = os.path.join(tmp, f"rank{r}.txt")
+            text = open(path).read() if os.path.exists(path) else "FAIL no result (hung or died)"
+            print(f"--- rank {r}\n{text}")
+            ok = ok and "FAIL" not in text
+    print("torch check:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The CLI: topo on real nvidia-smi texts and on a host without GPUs; bench end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[1] / "cpp" / "data"
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "pcie_allreduce", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_topo_on_two_sockets_shows_islands_and_cross_island_traffic():
+    done = run_cli("topo", "--nvidia-smi-topo", str(DATA / "two_socket_8gpu.txt"), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["islands"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert report["table_key"] == "islands-2x4"
+    assert report["fingerprint"].startswith("islands-2x4-w8-")
+    rows = {(r["algorithm"], r.get("direction"), r.get("staged")): r for r in report["schedules"]}
+    assert rows[("island_twoshot", "push", True)]["cross_island_elements"] == 1.0
+    assert rows[("oneshot", "push", True)]["cross_island_elements"] == 16.0
+    assert all(r["verified"] for r in report["schedules"] if r["supported"])
+    assert rows[("oneshot", "push", True)]["max_outbound_per_stage"] == 1
+
+
+def test_topo_text_output_names_the_fingerprint_and_nvlink():
+    done = run_cli("topo", "--nvidia-smi-topo", str(DATA / "dgx_nvlink_8gpu.txt"))
+    assert done.returncode == 0, done.stderr
+    assert "fingerprint: nvlink-w8-" in done.stdout
+    assert "NVLink present" in done.stdout
+
+
+def test_topo_without_gpus_describes_the_host():
+    done = run_cli("topo")
+    assert done.returncode == 0, done.stderr
+    # This machine may or may not have GPUs; without them topo must say so.
+    if "No GPUs found" in done.stdout:
+        assert "CPUs" in done.stdout and "host shared-memory transport" in done.stdout
+
+
+def test_topo_reports_malformed_text_with_its_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\tGPU0\tGPU1\nGPU0\t X \tFOO\nGPU1\tFOO\t X\n")
+    done = run_cli("topo", "--nvidia-smi-topo", str(bad))
+    assert done.returncode == 2
+    assert "line 2" in done.stderr and "FOO" in done.stderr
+
+
+def test_bench_on_the_host_transport_verifies_and_prints_the_table(tmp_path):
+    out = tmp_path / "rows.json"
+    done = run_cli(
+        "bench", "--transport", "host", "--world", "2", "--dtype", "bf16",
+        "--min-bytes", "1K", "--max-bytes", "16K", "--step-factor", "4", "--iters", "20",
+        "--json", str(out),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "size(B)" in done.stdout and "speedup" in done.stdout
+    result = json.loads(out.read_text())
+    assert [r["size"] for r in result["rows"]] == [1024, 4096, 16384]
+    assert all(r["wrong"] == 0 for r in result["rows"])
+    assert all(r["fallback_us"] > 0 and r["time_us"] > 0 for r in result["rows"])
+    assert "verified" in done.stdout
+
+
+def test_bench_refuses_cuda_without_gpus_or_bad_arguments():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        done = run_cli("bench", "--transport", "cuda")
+        assert done.returncode == 2 and "needs at least 2 GPUs" in done.stderr
+    done = run_cli("bench", "--transport", "host", "--world", "9")
+    assert done.returncode == 2 and "2..8" in done.stderr

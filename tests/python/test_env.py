@@ -1,0 +1,40 @@
+"""Environment flags: one reader, clear errors."""
+
+import pytest
+
+from pcie_allreduce.env import read_env
+
+
+def test_defaults():
+    e = read_env({})
+    assert e.enable is False and e.max_numel is None and e.timeout_s == 30.0
+    assert e.log_level == 1 and e.disable_autotune is False
+    assert str(e.cache_dir).endswith(".cache/pcie_allreduce")
+
+
+def test_values_parse():
+    e = read_env({
+        "PCIE_ALLREDUCE_ENABLE": "1",
+        "PCIE_ALLREDUCE_MAX_NUMEL": "393216",
+        "PCIE_ALLREDUCE_TIMEOUT_S": "0",
+        "PCIE_ALLREDUCE_LOG_LEVEL": "debug",
+        "PCIE_ALLREDUCE_CACHE_DIR": "/tmp/x",
+        "PCIE_ALLREDUCE_DISABLE_AUTOTUNE": "yes",
+    })
+    assert e.enable and e.max_numel == 393216 and e.timeout_s == 0.0 and e.log_level == 2
+    assert e.disable_autotune and str(e.cache_dir) == "/tmp/x"
+
+
+@pytest.mark.parametrize(
+    "name,value,expect",
+    [
+        ("PCIE_ALLREDUCE_MAX_NUMEL", "abc", "positive multiple of 8 (elements), got 'abc'"),
+        ("PCIE_ALLREDUCE_MAX_NUMEL", "12", "positive multiple of 8"),
+        ("PCIE_ALLREDUCE_TIMEOUT_S", "-1", "seconds >= 0"),
+        ("PCIE_ALLREDUCE_ENABLE", "maybe", "must be 1/0"),
+        ("PCIE_ALLREDUCE_LOG_LEVEL", "loud", "0/1/2"),
+    ],
+)
+def test_bad_values_say_what_was_expected(name, value, expect):
+    with pytest.raises(ValueError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        read_env({name: value})
