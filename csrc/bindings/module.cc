@@ -274,6 +274,18 @@ void bind_communicator(py::module_& m) {
             return out;
           },
           py::call_guard<py::gil_scoped_release>())
+      .def("probe_write", &comm::Communicator::probe_write)
+      .def("probe_read", &comm::Communicator::probe_read)
+      .def("disable",
+           [](comm::Communicator& c, const std::string& reason, const std::string& detail) {
+             for (int i = 0; i < 16; ++i) {
+               if (comm::decline_name(static_cast<comm::Decline>(i)) == reason) {
+                 c.disable(static_cast<comm::Decline>(i), detail);
+                 return;
+               }
+             }
+             throw std::invalid_argument("unknown decline reason '" + reason + "'");
+           })
       .def("close_peers", &comm::Communicator::close_peers)
       .def("release", &comm::Communicator::release)
       .def("enabled", &comm::Communicator::enabled)

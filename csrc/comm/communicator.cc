@@ -364,6 +364,32 @@ std::optional<plan::Diagnostic> Communicator::failure() const {
   return std::nullopt;
 }
 
+void Communicator::probe_write(uint32_t nonce) {
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_ && enabled()) cuda_->probe_write(nonce);
+#else
+  (void)nonce;
+#endif
+}
+
+std::vector<int> Communicator::probe_read(uint32_t nonce) const {
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (cuda_ && enabled()) return cuda_->probe_read(nonce);
+#else
+  (void)nonce;
+#endif
+  return {};
+}
+
+void Communicator::disable(Decline reason, std::string detail) {
+  if (!enabled()) return;
+  options_.disabled = reason;
+  options_.disabled_detail = std::move(detail);
+  connected_ = false;
+  log(1, "disabled (" + std::string(decline_name(reason)) + "): " + options_.disabled_detail +
+             "; every all-reduce uses the fallback");
+}
+
 void Communicator::close_peers() {
 #if defined(PCIE_AR_HAVE_CUDA)
   if (cuda_) cuda_->close_peers();

@@ -103,6 +103,14 @@ class Communicator {
   // `out` may be `inp` (in place). A declined input is never modified.
   void all_reduce(const at::Tensor& inp, at::Tensor& out);
 
+  // P2P write-and-verify (CUDA only; the host transport has nothing to probe). Collective:
+  // probe_write() on every rank, a barrier, then probe_read() returns the ranks whose writes
+  // did not arrive intact here.
+  void probe_write(uint32_t nonce);
+  std::vector<int> probe_read(uint32_t nonce) const;
+  // Turns the kernels off for good (every rank must call it with the same verdict).
+  void disable(Decline reason, std::string detail);
+
   void close_peers();  // collective teardown, step 1
   void release();      // step 2, after a barrier
 

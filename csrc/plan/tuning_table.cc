@@ -9,8 +9,10 @@ namespace {
 constexpr std::string_view kSeedTable =
     R"csv(# Seed table compiled into pcie_allreduce; `pcie-allreduce tune` writes a measured one per host.
 topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads
-# Host shared-memory transport (CPU tensors): one thread per rank walks one slice.
-host,2,*,0,*,oneshot,push,0,1,32
+# Host shared-memory transport (CPU tensors): one thread per rank walks one slice. Past a few
+# tens of KiB, reducing half the message each (twoshot) beats reducing all of it (2-core VM).
+host,2,*,0,32768,oneshot,push,0,1,32
+host,2,*,32768,*,twoshot,push,0,1,32
 host,*,*,0,65536,oneshot,push,0,1,32
 host,*,*,65536,*,twoshot,push,0,1,32
 # NVLink-connected GPUs belong to the serving engine's own custom all-reduce.

@@ -179,6 +179,27 @@ void check_layout(const plan::Layout& layout) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// Words of the P2P probe that rank `src` writes into rank `dst`'s slab: every word differs
+// per (nonce, src, dst, index), so a dropped, zeroed or misdirected write cannot pass.
+__host__ __device__ uint32_t probe_word(uint32_t nonce, int src, int dst, int i) {
+  uint32_t x = nonce ^ (static_cast<uint32_t>(src) * 0x9E3779B1u) ^
+               (static_cast<uint32_t>(dst) * 0x85EBCA77u) ^
+               (static_cast<uint32_t>(i) * 0xC2B2AE3Du);
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+constexpr int kProbeWords = 32;  // 128 bytes: one aligned line, and slots are never smaller
+
+// Ordinary SM stores into peer memory: the path the all-reduce kernels use.
+__global__ void probe_kernel(uint32_t* dst, uint32_t nonce, int src, int dst_rank) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < kProbeWords) dst[i] = probe_word(nonce, src, dst_rank, i);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ pure host logic
@@ -582,6 +603,40 @@ void CudaIpcWorkspace::launch(int program_id, plan::DType dtype, const plan::Tac
 }
 
 std::optional<plan::Diagnostic> CudaIpcWorkspace::failure() const { return read_diag(diag_host_); }
+
+void CudaIpcWorkspace::probe_write(uint32_t nonce) {
+  if (!peers_open_) throw std::logic_error("probe_write(): open_peers() has not run");
+  DeviceGuard guard(device_);
+  const plan::Layout& l = view_.layout;
+  for (int p = 0; p < l.world; ++p) {
+    if (p == rank_) continue;
+    auto* dst =
+        reinterpret_cast<uint32_t*>(view_.bases[p] + l.slot_offset(0, plan::slot_from_rank(rank_)));
+    probe_kernel<<<1, kProbeWords>>>(dst, nonce, rank_, p);
+    check(cudaGetLastError(), "launching the P2P probe to rank " + str(p));
+  }
+  check(cudaDeviceSynchronize(), "the P2P probe writes from rank " + str(rank_));
+}
+
+std::vector<int> CudaIpcWorkspace::probe_read(uint32_t nonce) const {
+  DeviceGuard guard(device_);
+  const plan::Layout& l = view_.layout;
+  std::vector<int> failed;
+  for (int q = 0; q < l.world; ++q) {
+    if (q == rank_) continue;
+    uint32_t words[kProbeWords];
+    check(cudaMemcpy(words, slab_ + l.slot_offset(0, plan::slot_from_rank(q)), sizeof(words),
+                     cudaMemcpyDeviceToHost),
+          "reading the P2P probe from rank " + str(q));
+    for (int i = 0; i < kProbeWords; ++i) {
+      if (words[i] != probe_word(nonce, q, rank_, i)) {
+        failed.push_back(q);
+        break;
+      }
+    }
+  }
+  return failed;
+}
 
 // ------------------------------------------------------------------ CudaLoopback
 

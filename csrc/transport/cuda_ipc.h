@@ -142,6 +142,14 @@ class CudaIpcWorkspace {
   // The record a failed kernel left in mapped host memory; nullopt if none.
   std::optional<plan::Diagnostic> failure() const;
 
+  // P2P write-and-verify, because drivers report P2P that does not work (zeroed buffers,
+  // silent corruption under IOMMU/ACS). Collective, before the first launch: every rank runs
+  // probe_write() (a kernel stores a pattern into each peer's slab with ordinary peer
+  // stores), then a barrier, then probe_read(), which returns the ranks whose pattern did not
+  // arrive intact in this rank's slab.
+  void probe_write(uint32_t nonce);
+  std::vector<int> probe_read(uint32_t nonce) const;
+
   const plan::Layout& layout() const { return view_.layout; }
   int rank() const { return rank_; }
   int device() const { return device_; }

@@ -615,10 +615,19 @@ void HostShmWorkspace::run(const plan::Program& program, plan::DType dtype, int 
     }
 
     // Advance every counter of this block's residue class, so all counters stay equal
-    // whatever block count the next call uses.
+    // whatever block count the next call uses. Every own flag of this parity in those blocks
+    // takes the generation too: a flag this call's schedule or block count left unused would
+    // otherwise fall 2^31 generations behind during a long run of other calls and then read as
+    // "reached" by the modulo-2^32 compare. Safe because every write peers make to our flags in
+    // this call has landed (we waited for each), and no peer writes this parity again before
+    // this rank has started the next call. The CUDA executor does the same (finish_call).
     for (int other = block; other < layout_.max_blocks; other += blocks) {
       auto& target = *reinterpret_cast<uint32_t*>(own + layout_.gen_counter_offset(other));
       std::atomic_ref<uint32_t>(target).store(gen, std::memory_order_relaxed);
+      for (int f = 0; f < layout_.num_flags; ++f) {
+        auto* word = reinterpret_cast<FlagWord*>(own + layout_.flag_offset(parity, other, f));
+        std::atomic_ref<uint32_t>(word->gen).store(gen, std::memory_order_relaxed);
+      }
     }
   }
 }

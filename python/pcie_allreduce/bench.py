@@ -64,6 +64,20 @@ def _timed(fn, iters: int, sync) -> float:
     return (time.perf_counter() - start) / iters
 
 
+_GRAPH_CALLS = 20  # calls captured per graph under --graph; times are per call
+
+
+def _graphed(fn, calls: int, device: torch.device):
+    """Captures `calls` calls of fn into one CUDA graph; returns its replay."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize(device)
+    return graph.replay
+
+
 def _agree_max(value: float, group: Any) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -123,12 +137,15 @@ def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) 
         for fn in (ours, fallback):
             for _ in range(opts["warmup"]):
                 fn()
+            if opts["graph"]:
+                fn = _graphed(fn, _GRAPH_CALLS, device)
             iters = opts["iters"]
             if iters <= 0:
                 probe = _agree_max(_timed(fn, 3, sync), cpu_group)
                 iters = int(min(500, max(5, 0.1 / max(probe, 1e-7))))
             dist.barrier(group=cpu_group)
-            times.append(_agree_max(_timed(fn, iters, sync), cpu_group))
+            per_call = _GRAPH_CALLS if opts["graph"] else 1
+            times.append(_agree_max(_timed(fn, iters, sync), cpu_group) / per_call)
         t_ours, t_fb = times
         algbw = size / t_ours / 1e9
         row = {

@@ -8,6 +8,7 @@ so the result is always the correct sum. Construction and ``destroy()`` are coll
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -125,6 +126,9 @@ class PcieAllReduce:
         opts.device = self.device.index if self.device.type == "cuda" else -1
         opts.timeout_s = self.timeout_s
         opts.initial_gen = int(initial_generation) & 0xFFFFFFFF
+        # The host walks slices in turn on one thread: a few are plenty, and every call
+        # refreshes each block's flags, so fewer blocks is cheaper.
+        opts.max_blocks = 64 if opts.transport == "cuda" else 8
         opts.table_text = table_text
         opts.table_source = table_source
         opts.group_name = self.group.group_name
@@ -170,8 +174,31 @@ class PcieAllReduce:
         self._comm.connect(handles)
         dist.barrier(group=self._cpu_group)
         self._comm.after_all_connected()
+        if opts.transport == "cuda" and self._comm.enabled():
+            self._verify_p2p()
         self.handle = _C.register_communicator(self._comm)
         self._destroyed = False
+
+    def _verify_p2p(self) -> None:
+        """Every rank writes a pattern into every peer's workspace and checks what arrived:
+        drivers report P2P that does not work, so only a real write is trusted."""
+        nonce = int.from_bytes(os.urandom(4), "little") if self.rank == 0 else 0
+        box = [nonce]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._cpu_group, 0),
+                                   group=self._cpu_group)
+        self._comm.probe_write(box[0])
+        dist.barrier(group=self._cpu_group)
+        missing = self._comm.probe_read(box[0])
+        everyone: List[List[int]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(everyone, missing, group=self._cpu_group)
+        broken = [(src, dst) for dst, sources in enumerate(everyone) for src in sources]
+        if broken:
+            pairs = ", ".join(f"rank {s} -> rank {d}" for s, d in broken[:8])
+            self._comm.disable(
+                "no_p2p",
+                f"peer writes did not arrive intact ({pairs}); check IOMMU/ACS settings "
+                "(`pcie-allreduce doctor`)",
+            )
 
     # ------------------------------------------------------------------ queries
     @property

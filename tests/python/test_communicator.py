@@ -379,7 +379,7 @@ def _lifecycle(rank, world):
     ar.destroy()  # idempotent
     try:
         torch.ops.pcie_allreduce.all_reduce(x, ar.handle)
-    except RuntimeError as e:
+    except ValueError as e:
         return str(e)
     return "no error"
 
