@@ -205,80 +205,6 @@ std::vector<BufRef> island_order(int r, const std::vector<int>& island_of, BufRe
                                       : std::vector<BufRef>{partners, own};
 }
 
-// Pull: each rank copies the chunks its peers will read into its own `slot`, then raises its
-// flag `phase` once for all of them.
-void publish(Builder& b, const std::function<bool(int, int)>& needed, int num_chunks, int slot,
-             int phase) {
-  for (int r = 0; r < b.world(); ++r) {
-    for (int c = 0; c < num_chunks; ++c) {
-      if (needed(r, c)) b.copy(r, c, slot_of(r, slot), input_of(r));
-    }
-    b.signal(r, r, phase);
-  }
-}
-
-// Every rank receives every input and sums the whole message in rank order.
-Schedule build_oneshot(Builder b) {
-  const int W = b.world();
-  const std::vector<Group> everyone(W, Group{all_ranks(W)});
-  Builder::Phase in;
-  in.phase = 0;
-  in.chunk = [](int, int) { return 0; };
-  in.push_src = input_of;
-  in.landing = slot_from_rank;
-  in.published = slot_staged_input(W);
-  in.fetch = b.staged();  // staged pull copies one peer per stage; unstaged reads in the sum
-  if (!b.push())
-    publish(
-        b, [](int, int) { return true; }, 1, in.published, in.phase);
-  b.exchange(everyone, in);
-  for (int r = 0; r < W; ++r) {
-    b.reduce(r, 0, output_of(r), in_rank_order(r, everyone[r].members, input_of(r), [&](int q) {
-               return b.received(in, r, q);
-             }));
-  }
-  return b.finish();
-}
-
-// Reduce-scatter (rank c owns chunk c), then all-gather.
-Schedule build_twoshot(Builder b) {
-  const int W = b.world();
-  const std::vector<Group> everyone(W, Group{all_ranks(W)});
-  const int gather = slot_gather(W);
-  Builder::Phase rs;
-  rs.phase = 0;
-  rs.chunk = [](int, int owner) { return owner; };
-  rs.push_src = input_of;
-  rs.landing = slot_from_rank;
-  rs.published = slot_staged_input(W);
-  rs.fetch = b.staged();
-  if (!b.push())
-    publish(
-        b, [](int r, int c) { return c != r; }, W, rs.published, rs.phase);
-  b.exchange(everyone, rs);
-  for (int r = 0; r < W; ++r) {
-    auto srcs = in_rank_order(r, everyone[r].members, input_of(r),
-                              [&](int q) { return b.received(rs, r, q); });
-    if (b.push()) {
-      b.reduce(r, r, output_of(r), srcs);
-    } else {  // peers read the reduced chunk from a slot
-      b.reduce(r, r, slot_of(r, gather), srcs);
-      b.signal(r, r, 1);
-      b.copy(r, r, output_of(r), slot_of(r, gather));
-    }
-  }
-  b.next_stage();
-  Builder::Phase ag;
-  ag.phase = 1;
-  ag.chunk = [](int owner, int) { return owner; };
-  ag.push_src = output_of;
-  ag.landing = [gather](int) { return gather; };
-  ag.published = gather;
-  ag.on_recv = [&](int r, int q) { b.copy(r, q, output_of(r), b.received(ag, r, q)); };
-  b.exchange(everyone, ag);
-  return b.finish();
-}
-
 std::vector<Group> partner_pairs(const Islands& isl) {
   std::vector<Group> pairs;
   for (int r = 0; r < static_cast<int>(isl.partner.size()); ++r) {
@@ -287,37 +213,120 @@ std::vector<Group> partner_pairs(const Islands& isl) {
   return pairs;
 }
 
-// Oneshot inside each island, then partners swap island sums: N elements cross per partner pair.
-Schedule build_island_oneshot(Builder b, const std::vector<int>& island_of) {
-  const int W = b.world();
-  const Islands isl = split_islands(island_of);
-  const int partial = slot_partial(W);
+// Phase 0 of every algorithm: chunk `chunk(sender, owner)` of each rank's input travels to the
+// peers of its group that reduce it. Pull ranks first copy those chunks into their staging
+// slot (the input itself is not visible to peers) and raise one flag for all of them.
+Builder::Phase deliver_inputs(Builder& b, const std::vector<Group>& group_of,
+                              std::function<int(int, int)> chunk) {
   Builder::Phase in;
   in.phase = 0;
-  in.chunk = [](int, int) { return 0; };
+  in.chunk = std::move(chunk);
   in.push_src = input_of;
   in.landing = slot_from_rank;
-  in.published = slot_staged_input(W);
-  in.fetch = b.staged();
-  if (!b.push())
-    publish(
-        b, [](int, int) { return true; }, 1, in.published, in.phase);
-  b.exchange(isl.group_of, in);
-  for (int r = 0; r < W; ++r) {
-    b.reduce(r, 0, slot_of(r, partial),
-             in_rank_order(r, isl.group_of[r].members, input_of(r),
-                           [&](int q) { return b.received(in, r, q); }));
-    if (!b.push()) b.signal(r, r, 1);
+  in.published = slot_staged_input(b.world());
+  in.fetch = b.staged();  // staged pull copies one peer per stage; unstaged reads in the sum
+  if (!b.push()) {
+    for (int r = 0; r < b.world(); ++r) {
+      for (int c = 0; c < b.num_chunks(); ++c) {
+        bool needed = false;
+        for (int q : group_of[r].members) needed |= q != r && in.chunk(r, q) == c;
+        if (needed) b.copy(r, c, slot_of(r, in.published), input_of(r));
+      }
+      b.signal(r, r, in.phase);
+    }
   }
-  b.next_stage();
+  b.exchange(group_of, in);
+  return in;
+}
+
+// Every rank reduces chunk `chunk_of(r)` of its group's inputs, in rank order, into `dst(r)`.
+void reduce_inputs(Builder& b, const std::vector<Group>& group_of, const Builder::Phase& in,
+                   const std::function<int(int)>& chunk_of, const std::function<BufRef(int)>& dst) {
+  for (int r = 0; r < b.world(); ++r) {
+    b.reduce(r, chunk_of(r), dst(r), in_rank_order(r, group_of[r].members, input_of(r), [&](int q) {
+               return b.received(in, r, q);
+             }));
+  }
+}
+
+// Partners in the two islands swap their island partial (chunk `chunk_of(r)`), which pull
+// ranks have just published under flag 1.
+Builder::Phase swap_partials(Builder& b, const Islands& isl, std::function<int(int)> chunk_of) {
+  const int partial = slot_partial(b.world());
   Builder::Phase cross;
   cross.phase = 1;
-  cross.chunk = [](int, int) { return 0; };
+  cross.chunk = [chunk_of = std::move(chunk_of)](int sender, int) { return chunk_of(sender); };
   cross.push_src = [partial](int r) { return slot_of(r, partial); };
   cross.landing = slot_from_rank;
   cross.published = partial;
   b.exchange(partner_pairs(isl), cross);
-  for (int r = 0; r < W; ++r) {
+  return cross;
+}
+
+// The last phase of the two-shot algorithms: each rank's reduced chunk (`chunk_of(r)`, in its
+// output, and for pull also in its gather slot under flag `phase`) reaches its group.
+void gather_results(Builder& b, const std::vector<Group>& group_of, int phase,
+                    const std::function<int(int)>& chunk_of) {
+  const int gather = slot_gather(b.world());
+  Builder::Phase ag;
+  ag.phase = phase;
+  ag.chunk = [&](int owner, int) { return chunk_of(owner); };
+  ag.push_src = output_of;
+  ag.landing = [gather](int) { return gather; };
+  ag.published = gather;
+  ag.on_recv = [&](int r, int q) { b.copy(r, chunk_of(q), output_of(r), b.received(ag, r, q)); };
+  b.exchange(group_of, ag);
+}
+
+// A reduced chunk lands in the output; pull ranks also publish it for their peers to read.
+void keep_reduced(Builder& b, int r, int chunk, const std::vector<BufRef>& srcs, int phase) {
+  if (b.push()) {
+    b.reduce(r, chunk, output_of(r), srcs);
+    return;
+  }
+  const BufRef gather = slot_of(r, slot_gather(b.world()));
+  b.reduce(r, chunk, gather, srcs);
+  b.signal(r, r, phase);
+  b.copy(r, chunk, output_of(r), gather);
+}
+
+// Every rank receives every input and sums the whole message in rank order.
+Schedule build_oneshot(Builder b) {
+  const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
+  const auto in = deliver_inputs(b, everyone, [](int, int) { return 0; });
+  reduce_inputs(
+      b, everyone, in, [](int) { return 0; }, output_of);
+  return b.finish();
+}
+
+// Reduce-scatter (rank c owns chunk c), then all-gather.
+Schedule build_twoshot(Builder b) {
+  const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
+  const auto in = deliver_inputs(b, everyone, [](int, int owner) { return owner; });
+  for (int r = 0; r < b.world(); ++r) {
+    keep_reduced(b, r, r,
+                 in_rank_order(r, everyone[r].members, input_of(r),
+                               [&](int q) { return b.received(in, r, q); }),
+                 1);
+  }
+  b.next_stage();
+  gather_results(b, everyone, 1, [](int owner) { return owner; });
+  return b.finish();
+}
+
+// Oneshot inside each island, then partners swap island sums: N elements cross per partner pair.
+Schedule build_island_oneshot(Builder b, const std::vector<int>& island_of) {
+  const Islands isl = split_islands(island_of);
+  const int partial = slot_partial(b.world());
+  const auto in = deliver_inputs(b, isl.group_of, [](int, int) { return 0; });
+  reduce_inputs(
+      b, isl.group_of, in, [](int) { return 0; }, [partial](int r) { return slot_of(r, partial); });
+  for (int r = 0; r < b.world(); ++r) {
+    if (!b.push()) b.signal(r, r, 1);
+  }
+  b.next_stage();
+  const auto cross = swap_partials(b, isl, [](int) { return 0; });
+  for (int r = 0; r < b.world(); ++r) {
     b.reduce(r, 0, output_of(r),
              island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])));
   }
@@ -327,59 +336,27 @@ Schedule build_island_oneshot(Builder b, const std::vector<int>& island_of) {
 // Island reduce-scatter (island index i owns chunk i), partners swap their reduced chunk
 // (1/k of the message each: N elements cross each way in all), island all-gather.
 Schedule build_island_twoshot(Builder b, const std::vector<int>& island_of) {
-  const int W = b.world();
   const Islands isl = split_islands(island_of);
-  const int partial = slot_partial(W);
-  const int gather = slot_gather(W);
+  const int partial = slot_partial(b.world());
   const auto& index = isl.index;
-  Builder::Phase rs;
-  rs.phase = 0;
-  rs.chunk = [&](int, int owner) { return index[owner]; };
-  rs.push_src = input_of;
-  rs.landing = slot_from_rank;
-  rs.published = slot_staged_input(W);
-  rs.fetch = b.staged();
-  if (!b.push()) {
-    publish(
-        b, [&](int r, int c) { return c != index[r]; }, b.num_chunks(), rs.published, rs.phase);
-  }
-  b.exchange(isl.group_of, rs);
-  for (int r = 0; r < W; ++r) {
-    b.reduce(r, index[r], slot_of(r, partial),
-             in_rank_order(r, isl.group_of[r].members, input_of(r),
-                           [&](int q) { return b.received(rs, r, q); }));
+  const auto chunk_of = [&](int r) { return index[r]; };
+  const auto in = deliver_inputs(b, isl.group_of, [&](int, int owner) { return index[owner]; });
+  reduce_inputs(b, isl.group_of, in, chunk_of, [partial](int r) { return slot_of(r, partial); });
+  for (int r = 0; r < b.world(); ++r) {
     if (!b.push()) b.signal(r, r, 1);
   }
   b.next_stage();
-  Builder::Phase cross;
-  cross.phase = 1;
-  cross.chunk = [&](int sender, int) { return index[sender]; };
-  cross.push_src = [partial](int r) { return slot_of(r, partial); };
-  cross.landing = slot_from_rank;
-  cross.published = partial;
-  b.exchange(partner_pairs(isl), cross);
-  for (int r = 0; r < W; ++r) {
-    auto srcs =
-        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r]));
-    if (b.push()) {
-      b.reduce(r, index[r], output_of(r), srcs);
-    } else {
-      b.reduce(r, index[r], slot_of(r, gather), srcs);
-      b.signal(r, r, 2);
-      b.copy(r, index[r], output_of(r), slot_of(r, gather));
-    }
+  const auto cross = swap_partials(b, isl, chunk_of);
+  for (int r = 0; r < b.world(); ++r) {
+    keep_reduced(
+        b, r, index[r],
+        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])), 2);
   }
   b.next_stage();
-  Builder::Phase ag;
-  ag.phase = 2;
-  ag.chunk = [&](int owner, int) { return index[owner]; };
-  ag.push_src = output_of;
-  ag.landing = [gather](int) { return gather; };
-  ag.published = gather;
-  ag.on_recv = [&](int r, int q) { b.copy(r, index[q], output_of(r), b.received(ag, r, q)); };
-  b.exchange(isl.group_of, ag);
+  gather_results(b, isl.group_of, 2, chunk_of);
   return b.finish();
 }
+
 }  // namespace
 
 std::optional<std::string> why_unsupported(Algorithm algorithm, int world,

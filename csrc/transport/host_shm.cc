@@ -517,6 +517,26 @@ void HostShmWorkspace::run(const plan::Program& program, plan::DType dtype, int 
       }
       return base + first_vec * plan::kVectorBytes;
     };
+    // What this rank records when a wait fails: where it was, whom it waited for, what it saw.
+    const auto diagnose = [&](plan::FailureKind kind, int index, const Step& step, uint32_t seen,
+                              uint32_t peer_numel, uint32_t peer_signature) {
+      plan::Diagnostic d{};
+      d.kind = static_cast<uint32_t>(kind);
+      d.rank = rank32;
+      d.peer = step.peer;
+      d.step = static_cast<uint32_t>(index);
+      d.stage = step.stage;
+      d.block = static_cast<uint32_t>(block);
+      d.flag = step.flag;
+      d.flag_owner = step.flag_owner;
+      d.gen_seen = seen;
+      d.gen_expected = gen;
+      d.numel = numel32;
+      d.signature = signature;
+      d.peer_numel = peer_numel;
+      d.peer_signature = peer_signature;
+      return d;
+    };
     const auto flag_at = [&](const Step& step) {
       return reinterpret_cast<FlagWord*>(bases_[step.flag_owner] +
                                          layout_.flag_offset(parity, block, step.flag));
@@ -568,20 +588,7 @@ void HostShmWorkspace::run(const plan::Program& program, plan::DType dtype, int 
                   std::chrono::steady_clock::now() >= deadline) {
                 seen = flag_gen.load(std::memory_order_acquire);
                 if (plan::gen_reached(seen, gen)) break;
-                plan::Diagnostic diagnostic{};
-                diagnostic.kind = static_cast<uint32_t>(plan::FailureKind::kTimeout);
-                diagnostic.rank = rank32;
-                diagnostic.peer = step.peer;
-                diagnostic.step = static_cast<uint32_t>(index);
-                diagnostic.stage = step.stage;
-                diagnostic.block = static_cast<uint32_t>(block);
-                diagnostic.flag = step.flag;
-                diagnostic.flag_owner = step.flag_owner;
-                diagnostic.gen_seen = seen;
-                diagnostic.gen_expected = gen;
-                diagnostic.numel = numel32;
-                diagnostic.signature = signature;
-                fail(diagnostic);
+                fail(diagnose(plan::FailureKind::kTimeout, index, step, seen, 0, 0));
               }
             }
           }
@@ -592,22 +599,8 @@ void HostShmWorkspace::run(const plan::Program& program, plan::DType dtype, int 
           const uint32_t peer_signature =
               std::atomic_ref<uint32_t>(flag->signature).load(std::memory_order_relaxed);
           if (peer_numel != numel32 || peer_signature != signature || seen != gen) {
-            plan::Diagnostic diagnostic{};
-            diagnostic.kind = static_cast<uint32_t>(plan::FailureKind::kMismatch);
-            diagnostic.rank = rank32;
-            diagnostic.peer = step.peer;
-            diagnostic.step = static_cast<uint32_t>(index);
-            diagnostic.stage = step.stage;
-            diagnostic.block = static_cast<uint32_t>(block);
-            diagnostic.flag = step.flag;
-            diagnostic.flag_owner = step.flag_owner;
-            diagnostic.gen_seen = seen;
-            diagnostic.gen_expected = gen;
-            diagnostic.numel = numel32;
-            diagnostic.signature = signature;
-            diagnostic.peer_numel = peer_numel;
-            diagnostic.peer_signature = peer_signature;
-            fail(diagnostic);
+            fail(diagnose(plan::FailureKind::kMismatch, index, step, seen, peer_numel,
+                          peer_signature));
           }
           break;
         }
