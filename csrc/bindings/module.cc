@@ -243,15 +243,7 @@ void bind_communicator(py::module_& m) {
       .def_property(
           "disabled",
           [](const comm::Options& o) { return std::string(comm::decline_name(o.disabled)); },
-          [](comm::Options& o, const std::string& name) {
-            for (int i = 0; i < 16; ++i) {
-              if (comm::decline_name(static_cast<comm::Decline>(i)) == name) {
-                o.disabled = static_cast<comm::Decline>(i);
-                return;
-              }
-            }
-            throw std::invalid_argument("unknown decline reason '" + name + "'");
-          })
+          [](comm::Options& o, const std::string& name) { o.disabled = comm::parse_decline(name); })
       .def_readwrite("disabled_detail", &comm::Options::disabled_detail)
       .def_readwrite("log_level", &comm::Options::log_level);
 
@@ -278,13 +270,7 @@ void bind_communicator(py::module_& m) {
       .def("probe_read", &comm::Communicator::probe_read)
       .def("disable",
            [](comm::Communicator& c, const std::string& reason, const std::string& detail) {
-             for (int i = 0; i < 16; ++i) {
-               if (comm::decline_name(static_cast<comm::Decline>(i)) == reason) {
-                 c.disable(static_cast<comm::Decline>(i), detail);
-                 return;
-               }
-             }
-             throw std::invalid_argument("unknown decline reason '" + reason + "'");
+             c.disable(comm::parse_decline(reason), detail);
            })
       .def("close_peers", &comm::Communicator::close_peers)
       .def("release", &comm::Communicator::release)

@@ -73,6 +73,13 @@ std::string_view decline_name(Decline decline) {
   return "unknown";
 }
 
+Decline parse_decline(std::string_view name) {
+  for (int i = 0; i <= static_cast<int>(Decline::kMisaligned); ++i) {
+    if (decline_name(static_cast<Decline>(i)) == name) return static_cast<Decline>(i);
+  }
+  throw std::invalid_argument("unknown decline reason '" + std::string(name) + "'");
+}
+
 // One (algorithm, direction, staged) compiled for this rank, and how much it sends each peer.
 struct Communicator::Program {
   plan::Program encoded;
@@ -106,6 +113,9 @@ Communicator::Communicator(Options options) : options_(std::move(options)) {
   }
   int elem_bytes = 2;
   for (plan::DType d : options_.dtypes) elem_bytes = std::max(elem_bytes, plan::dtype_bytes(d));
+  if (options_.transport == "host") {
+    options_.max_blocks = std::min(options_.max_blocks, kHostMaxBlocks);
+  }
   layout_ = plan::make_layout(options_.max_numel, options_.world, elem_bytes, options_.max_blocks);
   if (options_.transport == "host") {
     host_ = std::make_unique<transport::HostShmWorkspace>(*layout_, options_.rank,
@@ -164,8 +174,8 @@ Decline Communicator::supports(const at::Tensor& t) const {
       std::find(options_.dtypes.begin(), options_.dtypes.end(), *dtype) == options_.dtypes.end()) {
     return Decline::kDtype;
   }
-  if (options_.transport == "host" ? !t.device().is_cpu()
-                                   : !(t.is_cuda() && t.device().index() == options_.device)) {
+  // Enabled means exactly one transport exists; which one says where tensors must live.
+  if (host_ ? !t.device().is_cpu() : !(t.is_cuda() && t.device().index() == options_.device)) {
     return Decline::kDevice;
   }
   if (!t.is_contiguous()) return Decline::kNotContiguous;

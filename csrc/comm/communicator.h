@@ -54,20 +54,26 @@ enum class Decline : uint8_t {
   kMisaligned = 12,  // data pointer not 16-byte aligned
 };
 std::string_view decline_name(Decline decline);
+// The inverse of decline_name(); throws std::invalid_argument naming the unknown reason.
+Decline parse_decline(std::string_view name);
+
+// The host walks a rank's slices in turn on one thread, so a few are plenty; and every call
+// refreshes the flags of all its blocks, so fewer blocks make every call cheaper.
+inline constexpr int kHostMaxBlocks = 8;
 
 struct Options {
   int rank = 0;
   int world = 0;
   int64_t max_numel = 0;
   std::vector<plan::DType> dtypes = {plan::DType::kBF16, plan::DType::kFP16, plan::DType::kFP32};
-  std::string transport = "host";  // "host" or "cuda"
-  int device = -1;                 // CUDA device index (cuda transport)
-  double timeout_s = 30.0;         // every wait's deadline; 0 = forever
-  uint32_t initial_gen = 0;        // tests start near 2^32 to cross the wrap
-  int max_blocks = plan::kDefaultMaxBlocks;
-  std::string topology_key = "flat";  // what the table's topology column matches
-  std::vector<int> island_of;         // rank -> island; empty = flat
-  std::string table_text;             // CSV; empty = the embedded seed table
+  std::string transport = "host";            // "host" or "cuda"
+  int device = -1;                           // CUDA device index (cuda transport)
+  double timeout_s = 30.0;                   // every wait's deadline; 0 = forever
+  uint32_t initial_gen = 0;                  // tests start near 2^32 to cross the wrap
+  int max_blocks = plan::kDefaultMaxBlocks;  // the host transport caps it (kHostMaxBlocks)
+  std::string topology_key = "flat";         // what the table's topology column matches
+  std::vector<int> island_of;                // rank -> island; empty = flat
+  std::string table_text;                    // CSV; empty = the embedded seed table
   std::string table_source = "embedded seed table";
   std::string group_name;             // c10d group the fallback runs on
   Decline disabled = Decline::kNone;  // set when the backend must not run (handshake, NVLink)

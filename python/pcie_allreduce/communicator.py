@@ -126,9 +126,6 @@ class PcieAllReduce:
         opts.device = self.device.index if self.device.type == "cuda" else -1
         opts.timeout_s = self.timeout_s
         opts.initial_gen = int(initial_generation) & 0xFFFFFFFF
-        # The host walks slices in turn on one thread: a few are plenty, and every call
-        # refreshes each block's flags, so fewer blocks is cheaper.
-        opts.max_blocks = 64 if opts.transport == "cuda" else 8
         opts.table_text = table_text
         opts.table_source = table_source
         opts.group_name = self.group.group_name
