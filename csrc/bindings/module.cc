@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <exception>
 #include <string>
 
 #include "comm/communicator.h"
@@ -13,6 +15,7 @@
 #include "plan/topology.h"
 #include "plan/tuning_table.h"
 #include "plan/verify.h"
+#include "transport/workspace.h"
 
 namespace py = pybind11;
 
@@ -24,7 +27,7 @@ plan::DType dtype_from_name(const std::string& name) {
   throw std::invalid_argument("dtype must be bf16, fp16 or fp32, got '" + name + "'");
 }
 
-py::dict diagnostic_dict(const plan::Diagnostic& d, double timeout_s) {
+py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) {
   py::dict out;
   const auto kind = static_cast<plan::FailureKind>(d.kind);
   out["kind"] = kind == plan::FailureKind::kTimeout    ? "timeout"
@@ -43,8 +46,21 @@ py::dict diagnostic_dict(const plan::Diagnostic& d, double timeout_s) {
   out["peer_numel"] = d.peer_numel;
   out["signature"] = d.signature;
   out["peer_signature"] = d.peer_signature;
-  out["message"] = plan::describe_failure(d, timeout_s);
+  out["message"] = message;
   return out;
+}
+
+// comm::Failure -> pcie_allreduce.PcieAllReduceTimeout(message, diagnostic), wherever it is
+// thrown: from a method of this module or from inside a torch op.
+void translate_failure(std::exception_ptr thrown) {
+  try {
+    if (thrown) std::rethrow_exception(thrown);
+  } catch (const comm::Failure& e) {
+    const py::object type =
+        py::module_::import("pcie_allreduce.errors").attr("PcieAllReduceTimeout");
+    const py::object error = type(e.what(), diagnostic_dict(e.diagnostic(), e.what()));
+    PyErr_SetObject(type.ptr(), error.ptr());
+  }
 }
 
 py::object optional_reason(comm::Decline d) {
@@ -192,6 +208,8 @@ void bind_plan(py::module_& m) {
       .def("island_of", &plan::Topology::island_of)
       .def("islands", &plan::Topology::islands)
       .def("has_nvlink", &plan::Topology::has_nvlink)
+      .def("nvlink_pairs", &plan::Topology::nvlink_pairs)
+      .def("subset", &plan::Topology::subset, py::arg("gpus"))
       .def("why_not_two_equal_islands", &plan::Topology::why_not_two_equal_islands)
       .def("table_key", &plan::Topology::table_key)
       .def("fingerprint", &plan::Topology::fingerprint, py::arg("extra") = "")
@@ -249,9 +267,9 @@ void bind_communicator(py::module_& m) {
 
   py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(m, "Communicator")
       .def(py::init<comm::Options>())
-      .def("local_handle", [](const comm::Communicator& c) { return py::bytes(c.local_handle()); })
+      .def("local_token", [](const comm::Communicator& c) { return py::bytes(c.local_token()); })
       .def("connect", &comm::Communicator::connect)
-      .def("after_all_connected", &comm::Communicator::after_all_connected)
+      .def("retire_token", &comm::Communicator::retire_token)
       .def("supports", [](const comm::Communicator& c,
                           const at::Tensor& t) { return optional_reason(c.supports(t)); })
       .def("decline_reason",
@@ -259,13 +277,6 @@ void bind_communicator(py::module_& m) {
              return optional_reason(c.decline_reason(t));
            })
       .def("chosen_tactic", &comm::Communicator::chosen_tactic)
-      .def(
-          "all_reduce",
-          [](comm::Communicator& c, const at::Tensor& inp, at::Tensor out) {
-            c.all_reduce(inp, out);
-            return out;
-          },
-          py::call_guard<py::gil_scoped_release>())
       .def("probe_write", &comm::Communicator::probe_write)
       .def("probe_read", &comm::Communicator::probe_read)
       .def("disable",
@@ -287,7 +298,7 @@ void bind_communicator(py::module_& m) {
            [](const comm::Communicator& c) -> py::object {
              auto d = c.failure();
              if (!d) return py::none();
-             return diagnostic_dict(*d, c.options().timeout_s);
+             return diagnostic_dict(*d, plan::describe_failure(*d, c.options().timeout_s));
            })
       .def("stats", [](const comm::Communicator& c) {
         const comm::Stats s = c.stats();
@@ -300,12 +311,11 @@ void bind_communicator(py::module_& m) {
 
   m.def("register_communicator", &comm::register_communicator);
   m.def("unregister_communicator", &comm::unregister_communicator);
-  m.attr("FAILURE_PREFIX") = std::string(comm::kFailurePrefix);
-#if defined(PCIE_AR_HAVE_CUDA)
-  m.attr("BUILT_WITH_CUDA") = true;
-#else
-  m.attr("BUILT_WITH_CUDA") = false;
-#endif
+  py::register_exception_translator(&translate_failure);
+  const auto transports = transport::built_transports();
+  m.attr("TRANSPORTS") = transports;
+  m.attr("BUILT_WITH_CUDA") =
+      std::find(transports.begin(), transports.end(), "cuda") != transports.end();
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -10,14 +11,7 @@
 #include <unordered_map>
 
 #include "plan/verify.h"
-#include "transport/host_shm.h"
-
-#if defined(PCIE_AR_HAVE_CUDA)
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "transport/cuda_ipc.h"
-#endif
+#include "transport/workspace.h"
 
 namespace pcie_ar::comm {
 namespace {
@@ -37,6 +31,18 @@ std::optional<plan::DType> to_plan_dtype(at::ScalarType t) {
 
 uint64_t decision_key(plan::DType dtype, int64_t bytes) {
   return (static_cast<uint64_t>(dtype) << 56) | static_cast<uint64_t>(bytes);
+}
+
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % plan::kVectorBytes == 0;
+}
+
+// The stream a GPU transport enqueues on: the caller's current stream, as torch sees it.
+void* current_stream(int device) {
+  if (device < 0) return nullptr;
+  const c10::Device d(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+  const auto* impl = c10::impl::getDeviceGuardImpl(d.type());
+  return impl->getStreamNativeHandle(impl->getStream(d));
 }
 
 }  // namespace
@@ -80,10 +86,10 @@ Decline parse_decline(std::string_view name) {
   throw std::invalid_argument("unknown decline reason '" + std::string(name) + "'");
 }
 
-// One (algorithm, direction, staged) compiled for this rank, and how much it sends each peer.
-struct Communicator::Program {
-  plan::Program encoded;
-  int cuda_id = -1;
+// One (algorithm, direction, staged) installed in the workspace for this rank, and how much it
+// sends each peer.
+struct Communicator::InstalledProgram {
+  int id = -1;                        // the workspace's program id
   std::vector<double> sent_fraction;  // per peer, as a multiple of the message
 };
 
@@ -101,68 +107,44 @@ Communicator::Communicator(Options options) : options_(std::move(options)) {
     options_.disabled_detail = "world size " + std::to_string(options_.world) + " is outside 2.." +
                                std::to_string(plan::kMaxWorld);
   }
-  if (options_.transport != "host" && options_.transport != "cuda") {
-    throw std::invalid_argument("transport must be 'host' or 'cuda', got '" + options_.transport +
-                                "'");
-  }
   if (options_.dtypes.empty()) throw std::invalid_argument("at least one dtype must be admitted");
   if (!enabled()) {
     log(1, "disabled (" + std::string(decline_name(options_.disabled)) +
                "): " + options_.disabled_detail + "; every all-reduce uses the fallback");
     return;
   }
-  int elem_bytes = 2;
-  for (plan::DType d : options_.dtypes) elem_bytes = std::max(elem_bytes, plan::dtype_bytes(d));
-  if (options_.transport == "host") {
-    options_.max_blocks = std::min(options_.max_blocks, kHostMaxBlocks);
-  }
-  layout_ = plan::make_layout(options_.max_numel, options_.world, elem_bytes, options_.max_blocks);
-  if (options_.transport == "host") {
-    host_ = std::make_unique<transport::HostShmWorkspace>(*layout_, options_.rank,
-                                                          options_.initial_gen, options_.timeout_s);
-  } else {
-#if defined(PCIE_AR_HAVE_CUDA)
-    cuda_ = std::make_unique<transport::CudaIpcWorkspace>(*layout_, options_.rank, options_.device,
-                                                          options_.initial_gen, options_.timeout_s);
-#else
-    throw std::runtime_error(
-        "the cuda transport was requested but pcie_allreduce was built without CUDA");
-#endif
-  }
+  transport::WorkspaceOptions w;
+  w.transport = options_.transport;
+  w.max_numel = options_.max_numel;
+  w.world = options_.world;
+  w.elem_bytes = 2;
+  for (plan::DType d : options_.dtypes) w.elem_bytes = std::max(w.elem_bytes, plan::dtype_bytes(d));
+  w.max_blocks = options_.max_blocks;
+  w.rank = options_.rank;
+  w.device = options_.device;
+  w.initial_gen = options_.initial_gen;
+  w.timeout_s = options_.timeout_s;
+  workspace_ = transport::make_workspace(w);
 }
 
 Communicator::~Communicator() = default;
 
-std::string Communicator::local_handle() const {
-  if (host_) return host_->name();
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) {
-    const auto bytes = cuda_->export_handle();
-    return std::string(bytes.begin(), bytes.end());
-  }
-#endif
-  return "";
+std::string Communicator::local_token() const {
+  return workspace_ ? workspace_->local_token() : "";
 }
 
-void Communicator::connect(const std::vector<std::string>& handles) {
+void Communicator::connect(const std::vector<std::string>& tokens) {
   if (!enabled()) return;
-  if (static_cast<int>(handles.size()) != options_.world) {
-    throw std::invalid_argument("connect() needs one handle per rank (" +
+  if (static_cast<int>(tokens.size()) != options_.world) {
+    throw std::invalid_argument("connect() needs one token per rank (" +
                                 std::to_string(options_.world) + "), got " +
-                                std::to_string(handles.size()));
+                                std::to_string(tokens.size()));
   }
-  if (host_) host_->open_peers(handles);
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) {
-    std::vector<std::vector<uint8_t>> bytes;
-    for (const auto& h : handles) bytes.emplace_back(h.begin(), h.end());
-    cuda_->open_peers(bytes);
-  }
-#endif
+  workspace_->open_peers(tokens);
 }
 
-void Communicator::after_all_connected() {
-  if (host_) host_->unlink_own();
+void Communicator::retire_token() {
+  if (workspace_) workspace_->retire_token();
   connected_ = enabled();
 }
 
@@ -174,8 +156,9 @@ Decline Communicator::supports(const at::Tensor& t) const {
       std::find(options_.dtypes.begin(), options_.dtypes.end(), *dtype) == options_.dtypes.end()) {
     return Decline::kDtype;
   }
-  // Enabled means exactly one transport exists; which one says where tensors must live.
-  if (host_ ? !t.device().is_cpu() : !(t.is_cuda() && t.device().index() == options_.device)) {
+  // Enabled means the workspace exists; its device says where tensors must live.
+  const int device = workspace_->device();
+  if (device < 0 ? !t.device().is_cpu() : !(t.is_cuda() && t.device().index() == device)) {
     return Decline::kDevice;
   }
   if (!t.is_contiguous()) return Decline::kNotContiguous;
@@ -184,9 +167,7 @@ Decline Communicator::supports(const at::Tensor& t) const {
     return Decline::kNot16ByteMultiple;
   }
   if (t.numel() > options_.max_numel) return Decline::kTooLarge;
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % plan::kVectorBytes != 0) {
-    return Decline::kMisaligned;
-  }
+  if (!aligned16(t)) return Decline::kMisaligned;
   if (!connected_) return Decline::kDisabled;
   return Decline::kNone;
 }
@@ -210,17 +191,10 @@ std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& 
   if (auto why = plan::why_unsupported(t.algorithm, options_.world, options_.island_of)) {
     return why;
   }
-  if (t.blocks > layout_->max_blocks) {
-    return "blocks " + std::to_string(t.blocks) + " exceeds the workspace's " +
-           std::to_string(layout_->max_blocks);
-  }
-  if (options_.transport == "cuda" && (t.threads % 32 != 0 || t.threads > 1024)) {
-    return "threads " + std::to_string(t.threads) + " is not a multiple of 32 in 32..1024";
-  }
-  return std::nullopt;
+  return workspace_->why_not(t);
 }
 
-Communicator::Program& Communicator::program_for(const plan::Tactic& tactic) {
+Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& tactic) {
   const auto key = std::make_tuple(static_cast<int>(tactic.algorithm),
                                    static_cast<int>(tactic.direction), tactic.staged ? 1 : 0);
   auto it = programs_.find(key);
@@ -232,12 +206,9 @@ Communicator::Program& Communicator::program_for(const plan::Tactic& tactic) {
     throw std::logic_error("schedule " + plan::tactic_label(tactic) +
                            " failed verification: " + v.errors.front());
   }
-  auto program = std::make_unique<Program>();
-  program->encoded = plan::encode_program(schedule, options_.rank);
+  auto program = std::make_unique<InstalledProgram>();
+  program->id = workspace_->add_program(plan::encode_program(schedule, options_.rank));
   program->sent_fraction = v.sent_to[options_.rank];
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) program->cuda_id = cuda_->add_program(program->encoded);
-#endif
   return *programs_.emplace(key, std::move(program)).first->second;
 }
 
@@ -296,24 +267,42 @@ void Communicator::run_fallback(const at::Tensor& inp, at::Tensor& out) {
   wait.callBoxed(&stack);
 }
 
+void Communicator::check_out(const at::Tensor& inp, const at::Tensor& out) const {
+  if (out.scalar_type() != inp.scalar_type() || !out.sizes().equals(inp.sizes()) ||
+      supports(out) != Decline::kNone) {
+    throw std::invalid_argument(
+        "out must be a contiguous, 16-byte aligned tensor with the input's dtype, shape and "
+        "device");
+  }
+  const auto in = reinterpret_cast<uintptr_t>(inp.data_ptr());
+  const auto to = reinterpret_cast<uintptr_t>(out.data_ptr());
+  const auto bytes = static_cast<uintptr_t>(inp.nbytes());
+  if (in < to + bytes && to < in + bytes) {
+    throw std::invalid_argument(
+        "out overlaps the input without being the same tensor; pass the input itself for an "
+        "in-place all-reduce (all_reduce_) or a disjoint tensor");
+  }
+}
+
 void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
-  if (failure_) {
-    throw std::runtime_error(std::string(kFailurePrefix) + failure_message_ +
-                             " (this communicator failed earlier; recreate it on every rank)");
-  }
+  raise_if_failed();
+  reduce_into(inp, out);
+}
+
+at::Tensor Communicator::all_reduce(const at::Tensor& inp) {
+  raise_if_failed();
+  at::Tensor out = at::empty(inp.sizes(), inp.options());  // contiguous, whatever inp's strides
+  reduce_into(inp, out);
+  return out;
+}
+
+void Communicator::reduce_into(const at::Tensor& inp, at::Tensor& out) {
   Decline decline = supports(inp);
-  if (decline == Decline::kNone && !out.is_same(inp)) {
-    if (out.scalar_type() != inp.scalar_type() || !out.sizes().equals(inp.sizes()) ||
-        supports(out) != Decline::kNone) {
-      throw std::invalid_argument(
-          "out must be a contiguous, 16-byte aligned tensor with the input's dtype, shape and "
-          "device");
-    }
-  }
-  const auto dtype = to_plan_dtype(inp.scalar_type());
+  if (decline == Decline::kNone && !out.is_same(inp)) check_out(inp, out);
   Decision* decision = nullptr;
   if (decline == Decline::kNone) {
-    decision = &decide(*dtype, inp.numel() * plan::dtype_bytes(*dtype));
+    const auto dtype = *to_plan_dtype(inp.scalar_type());
+    decision = &decide(dtype, inp.numel() * plan::dtype_bytes(dtype));
     if (decision->fallback) decline = Decline::kTable;
   }
   if (decline != Decline::kNone) {
@@ -322,72 +311,57 @@ void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
     run_fallback(inp, out);
     return;
   }
-  const int64_t numel = inp.numel();
-  const Program& program = *decision->program;
-  if (host_) {
-    try {
-      host_->run(program.encoded, *dtype, decision->tactic.blocks, inp.data_ptr(), out.data_ptr(),
-                 numel, decision->signature);
-    } catch (const transport::TransportFailure& e) {
-      fail(e.diagnostic(), e.what());
-    }
-  }
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) {
-    raise_if_failed();
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(options_.device));
-    cuda_->launch(
-        program.cuda_id, *dtype, decision->tactic, inp.data_ptr(), out.data_ptr(), numel,
-        decision->signature,
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(options_.device)).stream());
-  }
-#endif
-  ++*decision->calls;
-  const double bytes = static_cast<double>(numel * plan::dtype_bytes(*dtype));
-  for (size_t p = 0; p < program.sent_fraction.size(); ++p) {
-    bytes_sent_[p] += static_cast<int64_t>(program.sent_fraction[p] * bytes);
-  }
+  run_kernels(*decision, inp, out);
 }
 
-void Communicator::fail(const plan::Diagnostic& diagnostic, const std::string& message) {
+void Communicator::run_kernels(const Decision& decision, const at::Tensor& inp, at::Tensor& out) {
+  transport::Call call;
+  call.program = decision.program->id;
+  call.dtype = *to_plan_dtype(inp.scalar_type());
+  call.blocks = decision.tactic.blocks;
+  call.threads = decision.tactic.threads;
+  call.input = inp.data_ptr();
+  call.output = out.data_ptr();
+  call.numel = inp.numel();
+  call.signature = decision.signature;
+  call.stream = current_stream(workspace_->device());
+  try {
+    workspace_->run(call);
+  } catch (const transport::TransportFailure& e) {
+    fail(e.diagnostic());
+  }
+  ++*decision.calls;
+  const auto bytes = static_cast<double>(inp.nbytes());
+  const auto& sent = decision.program->sent_fraction;
+  for (size_t p = 0; p < sent.size(); ++p) bytes_sent_[p] += static_cast<int64_t>(sent[p] * bytes);
+}
+
+void Communicator::fail(const plan::Diagnostic& diagnostic) {
   failure_ = diagnostic;
-  failure_message_ = message;
-  throw std::runtime_error(std::string(kFailurePrefix) + message);
+  throw Failure(diagnostic, plan::describe_failure(diagnostic, options_.timeout_s));
 }
 
 void Communicator::raise_if_failed() {
   if (failure_) {
-    throw std::runtime_error(std::string(kFailurePrefix) + failure_message_);
+    throw Failure(*failure_, plan::describe_failure(*failure_, options_.timeout_s) +
+                                 " (this communicator failed earlier; recreate it on every rank)");
   }
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) {
-    if (auto d = cuda_->failure()) fail(*d, plan::describe_failure(*d, options_.timeout_s));
+  if (workspace_) {
+    if (auto d = workspace_->failure()) fail(*d);
   }
-#endif
 }
 
 std::optional<plan::Diagnostic> Communicator::failure() const {
   if (failure_) return failure_;
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) return cuda_->failure();
-#endif
-  return std::nullopt;
+  return workspace_ ? workspace_->failure() : std::nullopt;
 }
 
 void Communicator::probe_write(uint32_t nonce) {
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_ && enabled()) cuda_->probe_write(nonce);
-#else
-  (void)nonce;
-#endif
+  if (workspace_ && enabled()) workspace_->probe_write(nonce);
 }
 
 std::vector<int> Communicator::probe_read(uint32_t nonce) const {
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_ && enabled()) return cuda_->probe_read(nonce);
-#else
-  (void)nonce;
-#endif
+  if (workspace_ && enabled()) return workspace_->probe_read(nonce);
   return {};
 }
 
@@ -401,20 +375,14 @@ void Communicator::disable(Decline reason, std::string detail) {
 }
 
 void Communicator::close_peers() {
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) cuda_->close_peers();
-#endif
+  if (workspace_) workspace_->close_peers();
 }
 
 void Communicator::release() {
   if (released_) return;
   released_ = true;
   connected_ = false;
-  host_.reset();
-#if defined(PCIE_AR_HAVE_CUDA)
-  if (cuda_) cuda_->free_slab();
-  cuda_.reset();
-#endif
+  if (workspace_) workspace_->release();
   if (enabled()) {
     options_.disabled = Decline::kDisabled;
     options_.disabled_detail = "destroy() was called";
@@ -433,10 +401,12 @@ Stats Communicator::stats() const {
   return s;
 }
 
-uint64_t Communicator::layout_hash() const { return layout_ ? plan::layout_hash(*layout_) : 0; }
+uint64_t Communicator::layout_hash() const {
+  return workspace_ ? plan::layout_hash(workspace_->layout()) : 0;
+}
 
 int64_t Communicator::workspace_bytes() const {
-  return layout_ && !released_ ? static_cast<int64_t>(layout_->total_bytes) : 0;
+  return workspace_ && !released_ ? static_cast<int64_t>(workspace_->layout().total_bytes) : 0;
 }
 
 void Communicator::log(int level, const std::string& message) const {

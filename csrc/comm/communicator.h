@@ -1,12 +1,12 @@
 // The Communicator: one per process group. It owns the workspace (fixed at construction and
-// sized for decode), the supports() gate, the tuning-table decision and the fallback, and
-// counts every call and every decline. Transport-agnostic: the host_shm transport serves CPU
-// tensors, the cuda_ipc transport CUDA tensors.
+// sized for decode), the per-call admission, the tuning-table decision and the fallback, and
+// counts every call and every decline. Transport-agnostic: it holds a transport::Workspace
+// made by transport::make_workspace() (host_shm for CPU tensors, cuda_ipc for CUDA tensors).
 //
 // Bootstrap is driven from Python, which owns the process group:
 //   Communicator c(options);             // allocates this rank's workspace
-//   handles = all_gather(c.local_handle())
-//   c.connect(handles); barrier; c.after_all_connected();   // peers mapped, names unlinked
+//   tokens = all_gather(c.local_token())
+//   c.connect(tokens); barrier; c.retire_token();   // peers mapped; nothing left to find us by
 // Teardown is collective too: close_peers(); barrier; release().
 #pragma once
 
@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -30,8 +31,7 @@
 #include "plan/tuning_table.h"
 
 namespace pcie_ar::transport {
-class HostShmWorkspace;
-class CudaIpcWorkspace;
+class Workspace;
 }  // namespace pcie_ar::transport
 
 namespace pcie_ar::comm {
@@ -57,10 +57,6 @@ std::string_view decline_name(Decline decline);
 // The inverse of decline_name(); throws std::invalid_argument naming the unknown reason.
 Decline parse_decline(std::string_view name);
 
-// The host walks a rank's slices in turn on one thread, so a few are plenty; and every call
-// refreshes the flags of all its blocks, so fewer blocks make every call cheaper.
-inline constexpr int kHostMaxBlocks = 8;
-
 struct Options {
   int rank = 0;
   int world = 0;
@@ -70,7 +66,7 @@ struct Options {
   int device = -1;                           // CUDA device index (cuda transport)
   double timeout_s = 30.0;                   // every wait's deadline; 0 = forever
   uint32_t initial_gen = 0;                  // tests start near 2^32 to cross the wrap
-  int max_blocks = plan::kDefaultMaxBlocks;  // the host transport caps it (kHostMaxBlocks)
+  int max_blocks = plan::kDefaultMaxBlocks;  // a transport may cap it (host_shm: 8)
   std::string topology_key = "flat";         // what the table's topology column matches
   std::vector<int> island_of;                // rank -> island; empty = flat
   std::string table_text;                    // CSV; empty = the embedded seed table
@@ -94,11 +90,17 @@ class Communicator {
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  std::string local_handle() const;
-  void connect(const std::vector<std::string>& handles);
-  void after_all_connected();
+  // What peers need to reach this rank's workspace (a segment name, a CUDA IPC handle).
+  std::string local_token() const;
+  // tokens[r] is rank r's local_token(): maps every peer's workspace.
+  void connect(const std::vector<std::string>& tokens);
+  // Every rank has connected: drop what let peers find our workspace (unlinks the host
+  // segment's name, so nothing is left in /dev/shm), and start admitting calls.
+  void retire_token();
 
-  // Can the kernels run this exact tensor? Never throws.
+  // The per-call admission: can the kernels run this exact tensor? Never throws. Everything a
+  // transport assumes about a call (transport::Call) follows from kNone here plus the checks
+  // all_reduce() makes on `out`.
   Decline supports(const at::Tensor& t) const;
   // supports() and then the table: kTable when the table chose the fallback.
   Decline decline_reason(const at::Tensor& t);
@@ -106,8 +108,13 @@ class Communicator {
   std::string chosen_tactic(const at::Tensor& t);
 
   // Always the correct sum: kernels when admitted and chosen, the group's all-reduce otherwise.
-  // `out` may be `inp` (in place). A declined input is never modified.
+  // `out` may be `inp` (in place); otherwise it must have inp's dtype, shape and device, be
+  // contiguous and 16-byte aligned, and not overlap inp (std::invalid_argument says which).
+  // A declined input is never modified. A timeout or a peer disagreement throws Failure.
   void all_reduce(const at::Tensor& inp, at::Tensor& out);
+  // The same into a new contiguous tensor. A failure recorded by an earlier (asynchronous)
+  // call is raised before anything is allocated on a device that may have died with it.
+  at::Tensor all_reduce(const at::Tensor& inp);
 
   // P2P write-and-verify (CUDA only; the host transport has nothing to probe). Collective:
   // probe_write() on every rank, a barrier, then probe_read() returns the ranks whose writes
@@ -132,38 +139,36 @@ class Communicator {
   void raise_if_failed();
 
  private:
-  struct Program;  // one compiled (algorithm, direction, staged) for this rank
+  struct InstalledProgram;  // one (algorithm, direction, staged) installed in the workspace
   struct Decision {
     bool fallback = true;
     plan::Tactic tactic;
-    Program* program = nullptr;
+    InstalledProgram* program = nullptr;
     uint32_t signature = 0;
     int64_t* calls = nullptr;  // counter for this tactic
   };
 
   Decision& decide(plan::DType dtype, int64_t bytes);
-  Program& program_for(const plan::Tactic& tactic);
+  InstalledProgram& program_for(const plan::Tactic& tactic);
+  void check_out(const at::Tensor& inp, const at::Tensor& out) const;
+  void reduce_into(const at::Tensor& inp, at::Tensor& out);
+  void run_kernels(const Decision& decision, const at::Tensor& inp, at::Tensor& out);
   std::optional<std::string> why_not_runnable(const plan::TableRow& row) const;
   void run_fallback(const at::Tensor& inp, at::Tensor& out);
   void note_decline(Decline decline, const at::Tensor& t);
-  [[noreturn]] void fail(const plan::Diagnostic& diagnostic, const std::string& message);
+  [[noreturn]] void fail(const plan::Diagnostic& diagnostic);
   void log(int level, const std::string& message) const;
 
   Options options_;
   plan::TuningTable table_;
-  std::optional<plan::Layout> layout_;
-  std::unique_ptr<transport::HostShmWorkspace> host_;
-#if defined(PCIE_AR_HAVE_CUDA)
-  std::unique_ptr<transport::CudaIpcWorkspace> cuda_;
-#endif
-  std::map<std::tuple<int, int, int>, std::unique_ptr<Program>> programs_;
+  std::unique_ptr<transport::Workspace> workspace_;
+  std::map<std::tuple<int, int, int>, std::unique_ptr<InstalledProgram>> programs_;
   std::unordered_map<uint64_t, Decision> decisions_;
   std::map<std::string, int64_t> calls_;
   std::array<int64_t, 16> declines_{};
   std::array<bool, 16> decline_logged_{};
   std::vector<int64_t> bytes_sent_;
   std::optional<plan::Diagnostic> failure_;
-  std::string failure_message_;
   bool connected_ = false;
   bool released_ = false;
 };
@@ -173,8 +178,16 @@ int64_t register_communicator(std::shared_ptr<Communicator> communicator);
 std::shared_ptr<Communicator> lookup_communicator(int64_t handle);
 void unregister_communicator(int64_t handle);
 
-// Prefix of every error message that a timeout or peer disagreement raises; the Python layer
-// turns such errors into pcie_allreduce.PcieAllReduceTimeout.
-inline constexpr std::string_view kFailurePrefix = "PcieAllReduceTimeout: ";
+// A peer never arrived or disagreed about the call: what every rank-level failure throws.
+// The bindings translate it into pcie_allreduce.PcieAllReduceTimeout carrying the diagnostic.
+class Failure : public std::runtime_error {
+ public:
+  Failure(const plan::Diagnostic& diagnostic, std::string message)
+      : std::runtime_error(std::move(message)), diagnostic_(diagnostic) {}
+  const plan::Diagnostic& diagnostic() const { return diagnostic_; }
+
+ private:
+  plan::Diagnostic diagnostic_;
+};
 
 }  // namespace pcie_ar::comm

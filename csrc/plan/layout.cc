@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "plan/hash.h"
+
 namespace pcie_ar::plan {
 namespace {
 
@@ -51,6 +53,18 @@ Layout make_layout(int64_t max_numel, int world, int elem_bytes, int max_blocks)
   return l;
 }
 
+void check_layout(const Layout& layout) {
+  if (layout.world < 2 || layout.world > kMaxWorld || layout.max_blocks < 1 ||
+      layout.total_bytes == 0 || layout.control_bytes > layout.data_offset ||
+      layout.num_slots < num_slots_for(layout.world) ||
+      layout.num_flags < num_flags_for(layout.world)) {
+    throw std::invalid_argument(
+        "the workspace layout is not one plan::make_layout() produces (world " +
+        std::to_string(layout.world) + ", max_blocks " + std::to_string(layout.max_blocks) + ", " +
+        std::to_string(layout.total_bytes) + " bytes)");
+  }
+}
+
 void initialize_control(void* control, const Layout& layout, uint32_t initial_gen) {
   auto* bytes = static_cast<unsigned char*>(control);
   std::memset(bytes, 0, layout.control_bytes);
@@ -77,13 +91,8 @@ uint64_t layout_hash(const Layout& layout) {
                              layout.data_offset,
                              layout.slot_bytes,
                              layout.total_bytes};
-  uint64_t h = 1469598103934665603ull;
-  for (uint64_t f : fields) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (f >> (8 * i)) & 0xFF;
-      h *= 1099511628211ull;
-    }
-  }
+  uint64_t h = kFnv1aOffset;
+  for (uint64_t f : fields) h = fnv1a_u64(f, h);
   return h;
 }
 

@@ -65,6 +65,10 @@ struct Layout {
 Layout make_layout(int64_t max_numel, int world, int elem_bytes,
                    int max_blocks = kDefaultMaxBlocks);
 
+// Throws std::invalid_argument unless `layout` is one make_layout() produces (a hand-built or
+// zeroed Layout would send executors outside their memory).
+void check_layout(const Layout& layout);
+
 // Writes the control area of a fresh workspace: every generation counter and every flag set
 // to `initial_gen`, so the first call expects initial_gen + 1 (tests start near 2^32 to cross
 // the wrap). `control` points at control_bytes bytes.

@@ -428,6 +428,7 @@ Program encode_program(const Schedule& schedule, int rank) {
   program.num_chunks = static_cast<uint8_t>(schedule.num_chunks);
   program.num_stages = static_cast<uint8_t>(schedule.num_stages);
   program.num_steps = static_cast<uint16_t>(steps.size());
+  program.direction = schedule.direction;
   std::copy(steps.begin(), steps.end(), program.steps);
   return program;
 }

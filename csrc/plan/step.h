@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "plan/tactic.h"
+
 namespace pcie_ar::plan {
 
 inline constexpr int kMaxWorld = 8;
@@ -47,7 +49,8 @@ struct Program {
   uint8_t num_chunks = 1;
   uint8_t num_stages = 0;
   uint16_t num_steps = 0;
-  uint16_t reserved = 0;
+  Direction direction = Direction::kPush;  // push programs never read a peer's slot
+  uint8_t reserved = 0;
   Step steps[kMaxSteps];
 };
 

@@ -15,6 +15,9 @@
 #include <optional>
 #include <utility>
 
+#include "plan/hash.h"
+#include "plan/text.h"
+
 namespace pcie_ar::plan {
 namespace {
 
@@ -34,12 +37,6 @@ std::string cell_text(Cell c) {
 }
 
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\v' || c == '\f'; }
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
-  return s;
-}
 
 std::vector<std::string_view> split_whitespace(std::string_view s) {
   std::vector<std::string_view> out;
@@ -152,15 +149,6 @@ std::string rank_list(const std::vector<int>& ranks) {
     out += std::to_string(ranks[i]);
   }
   return out + (ranks.size() == 1 ? " is" : " are");
-}
-
-uint64_t fnv1a64(std::string_view s) {
-  uint64_t h = 14695981039346656037ull;
-  for (const char c : s) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 // Splits the header into column names. Tabs are authoritative when present; otherwise the
@@ -370,9 +358,51 @@ std::vector<std::vector<int>> Topology::islands() const {
   return out;
 }
 
-bool Topology::has_nvlink() const {
+bool Topology::has_nvlink() const { return !nvlink_pairs().empty(); }
+
+std::vector<std::pair<int, int>> Topology::nvlink_pairs() const {
   validate();
-  return std::find(links.begin(), links.end(), LinkClass::kNvLink) != links.end();
+  std::vector<std::pair<int, int>> pairs;
+  for (int a = 0; a < world; ++a) {
+    for (int b = a + 1; b < world; ++b) {
+      if (link(a, b) == LinkClass::kNvLink) pairs.emplace_back(a, b);
+    }
+  }
+  return pairs;
+}
+
+Topology Topology::subset(const std::vector<int>& gpus) const {
+  validate();
+  const int n = static_cast<int>(gpus.size());
+  if (n < 1 || n > kMaxTopologyWorld) {
+    throw TopologyError("Topology::subset: expected 1.." + std::to_string(kMaxTopologyWorld) +
+                        " GPU indices, got " + std::to_string(n));
+  }
+  for (int g : gpus) {
+    if (g < 0 || g >= world) {
+      throw TopologyError("Topology::subset: GPU index " + std::to_string(g) + " is outside 0.." +
+                          std::to_string(world - 1));
+    }
+  }
+  Topology t;
+  t.world = n;
+  t.source = source;
+  t.links.assign(static_cast<size_t>(n) * n, LinkClass::kSelf);
+  t.nvlinks.assign(t.links.size(), 0);
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      const size_t from = static_cast<size_t>(gpus[a]) * world + gpus[b];
+      const size_t to = static_cast<size_t>(a) * n + b;
+      const bool shared_gpu = a != b && gpus[a] == gpus[b];
+      t.links[to] = shared_gpu ? LinkClass::kPix : links[from];
+      t.nvlinks[to] = shared_gpu ? 0 : nvlinks[from];
+    }
+  }
+  for (int g : gpus) {
+    if (!gpu_names.empty()) t.gpu_names.push_back(gpu_names[g]);
+    if (!numa_node.empty()) t.numa_node.push_back(numa_node[g]);
+  }
+  return t;
 }
 
 std::optional<std::string> Topology::why_not_two_equal_islands() const {
@@ -439,7 +469,7 @@ std::string Topology::fingerprint(std::string_view extra) const {
     if (!safe) c = '-';
   }
   char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(fnv1a64(canon)));
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(fnv1a(canon)));
   return key + "-w" + std::to_string(world) + "-" + hex;
 }
 

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace pcie_ar::plan {
@@ -62,9 +63,10 @@ struct Topology {
 
   // Islands: connected components of "link class better than SYS" (NV#, PIX, PXB, PHB and
   // NODE join; SYS separates). Islands are numbered by their lowest rank.
-  std::vector<int> island_of() const;             // rank -> island id
-  std::vector<std::vector<int>> islands() const;  // sorted ranks per island, by lowest rank
-  bool has_nvlink() const;                        // any pair linked by NVLink
+  std::vector<int> island_of() const;                     // rank -> island id
+  std::vector<std::vector<int>> islands() const;          // sorted ranks per island, by lowest rank
+  bool has_nvlink() const;                                // any pair linked by NVLink
+  std::vector<std::pair<int, int>> nvlink_pairs() const;  // (a, b) with a < b, by a then b
 
   // nullopt when there are exactly two islands of equal size >= 2 (what island algorithms
   // need), else the reason, e.g. "islands are uneven: {0,1,2} and {3,4,5,6,7}" or
@@ -91,6 +93,12 @@ struct Topology {
   // Every pair linked by `cls`; world 1..kMaxTopologyWorld. `cls` must join GPUs into one
   // island (not kSelf, not kSys: use from_islands for a socket split). kNvLink gets NV1.
   static Topology flat(int world, LinkClass cls = LinkClass::kPhb);
+
+  // What a process group sees: rank r runs on GPU gpus[r] of this topology, so the result has
+  // gpus.size() ranks whose links, names and NUMA nodes are those of their GPUs. Two ranks on
+  // one GPU (tests share a GPU between processes) are joined as PIX: one island, no NVLink.
+  // Throws TopologyError for an empty list or a GPU index outside 0..world-1.
+  Topology subset(const std::vector<int>& gpus) const;
 
   // NODE inside an island, SYS between islands. The islands must partition 0..n-1 exactly
   // (n = the total number of entries, 1..kMaxTopologyWorld); otherwise TopologyError says

@@ -3,6 +3,9 @@
 #include <charconv>
 #include <string>
 
+#include "plan/hash.h"
+#include "plan/text.h"
+
 namespace pcie_ar::plan {
 namespace {
 
@@ -33,13 +36,6 @@ islands-2x2,4,*,131072,*,island_twoshot,push,1,32,512
 
 constexpr std::string_view kHeader =
     "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads";
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r'))
-    s.remove_suffix(1);
-  return s;
-}
 
 std::vector<std::string_view> split(std::string_view line) {
   std::vector<std::string_view> cells;
@@ -75,15 +71,6 @@ class RowParser {
   std::string_view source_;
   int line_;
 };
-
-uint64_t fnv1a(std::string_view text) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 }  // namespace
 

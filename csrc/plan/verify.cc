@@ -128,8 +128,6 @@ class Simulation {
     check_everyone_heard_from_everyone();
   }
 
-  bool failed() const { return !v_.errors.empty(); }
-
  private:
   void error(std::string message) {
     if (v_.errors.size() < 32) v_.errors.push_back(std::move(message));

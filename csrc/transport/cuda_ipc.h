@@ -13,7 +13,7 @@
 // with peer pointers that are plain device pointers. It runs the same kernel, so every schedule
 // can be checked on a single GPU; it measures protocol overhead, not PCIe.
 //
-// This header compiles with a plain C++ compiler (the CUDA runtime API and plan headers only).
+// Host code only (plain C++ and the CUDA runtime API); the kernels are kernels/launch.cu.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,6 +21,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "plan/layout.h"
@@ -28,50 +29,10 @@
 #include "plan/schedule.h"
 #include "plan/step.h"
 #include "plan/tactic.h"
+#include "transport/kernels/launch.h"
+#include "transport/workspace.h"
 
 namespace pcie_ar::transport {
-
-inline constexpr int kMaxThreads = 1024;  // the executor's __launch_bounds__
-inline constexpr int kWarpThreads = 32;
-
-// What the host knows about an uploaded program (the kernel reads the program itself).
-struct ProgramInfo {
-  int rank = -1;
-  int world = 0;
-  int num_chunks = 0;
-  int num_steps = 0;
-  bool loads_peer_slots = false;   // some kReduce reads a peer's slot (pull schedules only)
-  bool stores_peer_slots = false;  // some kReduce writes a peer's slot (push schedules)
-};
-
-// Checks that every step of `program` addresses only memory the layout has: owners < world,
-// slots < num_slots, flags < num_flags, chunks < num_chunks, 1..kMaxSources operands, input and
-// output of the program's own rank only, and flags owned by the rank itself or by the step's
-// peer (the end-of-call flag refresh relies on that). Throws std::invalid_argument naming the
-// step and the bad field.
-ProgramInfo inspect_program(const plan::Program& program, const plan::Layout& layout);
-
-// Everything one launch needs, passed to the kernel by value. Arrays are indexed by rank; a
-// real rank fills only its own entries of inputs/outputs/programs, loopback fills every rank.
-struct LaunchParams {
-  plan::Layout layout;
-  uint8_t* bases[plan::kMaxWorld] = {};  // every rank's slab, as this process addresses it
-  const void* inputs[plan::kMaxWorld] = {};
-  void* outputs[plan::kMaxWorld] = {};
-  const plan::Program* programs[plan::kMaxWorld] = {};  // device copies
-  ProgramInfo infos[plan::kMaxWorld] = {};              // host facts about those programs
-  plan::Diagnostic* diag = nullptr;                     // mapped host memory (device address)
-  uint32_t* claim = nullptr;  // device word: the first failing CTA records, others trap
-  int64_t numel = 0;
-  uint64_t timeout_ns = 0;  // per wait; 0 waits forever
-  uint32_t signature = 0;   // plan::call_signature(dtype, tactic)
-  plan::DType dtype = plan::DType::kBF16;
-  plan::Direction direction = plan::Direction::kPush;
-  int blocks = 0;           // gridDim.x
-  int threads = 0;          // blockDim.x
-  int first_rank = 0;       // rank of blockIdx.y == 0
-  int ranks_in_launch = 0;  // gridDim.y
-};
 
 // The fixed half of a workspace's launches: where the slabs are and where failures go.
 struct WorkspaceView {
@@ -85,18 +46,15 @@ struct WorkspaceView {
 // One schedule's uploaded programs by rank (null where this process runs no such rank).
 struct ProgramSet {
   std::array<const plan::Program*, plan::kMaxWorld> device{};
-  std::array<ProgramInfo, plan::kMaxWorld> info{};
+  plan::Direction direction = plan::Direction::kPush;  // every rank's program has it
 };
 
 // Pure host: the parameters of one launch. `inputs`/`outputs` are indexed by rank and hold at
-// least first_rank + ranks_in_launch entries. Does not validate (validate_launch() does).
+// least first_rank + ranks_in_launch entries.
 LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet& programs,
-                                plan::DType dtype, const plan::Tactic& tactic,
+                                plan::DType dtype, int blocks, int threads,
                                 const void* const* inputs, void* const* outputs, int64_t numel,
                                 uint32_t signature, int first_rank, int ranks_in_launch);
-
-// Pure host logic. Throws std::invalid_argument saying what was wrong and what was expected.
-void validate_launch(const LaunchParams& p);
 
 // Seconds to the kernel's nanoseconds; throws std::invalid_argument if negative or not finite.
 uint64_t timeout_to_ns(double timeout_s);
@@ -114,50 +72,45 @@ struct ResidencyTable {
   }
 };
 
+// Why the kernels cannot run `tactic` on a GPU with `residency`, or nullopt: threads must be
+// whole warps in 32..1024, and `ctas` CTAs of every instantiation must be resident at once
+// (peers' CTA b waits for ours, so a CTA that never becomes resident would stall them).
+std::optional<std::string> why_kernels_cannot_run(const plan::Tactic& tactic, int ctas,
+                                                  const ResidencyTable& residency);
+
 // One real rank's workspace: a cudaMalloc slab exported with a CUDA IPC handle, the peers'
 // slabs mapped into this process, the programs uploaded once, and a failure record in mapped
-// host memory. Teardown is collective: close_peers() on every rank, a barrier, free_slab().
-class CudaIpcWorkspace {
+// host memory. Teardown is collective: close_peers() on every rank, a barrier, release().
+class CudaIpcWorkspace final : public Workspace {
  public:
   CudaIpcWorkspace(const plan::Layout& layout, int rank, int device, uint32_t initial_gen,
                    double timeout_s);
-  ~CudaIpcWorkspace();  // best-effort close_peers() + free_slab(); never throws
-  CudaIpcWorkspace(const CudaIpcWorkspace&) = delete;
-  CudaIpcWorkspace& operator=(const CudaIpcWorkspace&) = delete;
+  ~CudaIpcWorkspace() override;  // best-effort close_peers() + release(); never throws
 
-  std::vector<uint8_t> export_handle() const;  // cudaIpcMemHandle_t bytes of our slab
-  // handles[r] is rank r's export_handle(); ours is ignored. Maps every peer's slab.
-  void open_peers(const std::vector<std::vector<uint8_t>>& handles);
-  void close_peers();  // collective teardown step 1: peers unmap before owners free
-  void free_slab();    // step 2, after a barrier; idempotent
+  int device() const override { return device_; }
+  const char* name() const override { return "cuda"; }
 
-  // Uploads once (construction time, never on the hot path); returns an id for launch().
-  int add_program(const plan::Program& program);
+  std::string local_token() const override;  // cudaIpcMemHandle_t bytes of our slab
+  // tokens[r] is rank r's local_token(); ours is ignored. Maps every peer's slab.
+  void open_peers(const std::vector<std::string>& tokens) override;
+  // A kernel stores a pattern into each peer's slab with ordinary peer stores.
+  void probe_write(uint32_t nonce) override;
+  std::vector<int> probe_read(uint32_t nonce) const override;
 
-  // Enqueues one all-reduce on `stream`: no host sync, no allocation, no per-call host state
-  // (safe under CUDA-graph capture). Throws std::invalid_argument for a bad call.
-  void launch(int program_id, plan::DType dtype, const plan::Tactic& tactic, const void* input,
-              void* output, int64_t numel, uint32_t signature, cudaStream_t stream);
-
+  // Enqueues one all-reduce on call.stream: no host sync, no allocation, no per-call host
+  // state (safe under CUDA-graph capture).
+  void run(const Call& call) override;
   // The record a failed kernel left in mapped host memory; nullopt if none.
-  std::optional<plan::Diagnostic> failure() const;
+  std::optional<plan::Diagnostic> failure() const override;
 
-  // P2P write-and-verify, because drivers report P2P that does not work (zeroed buffers,
-  // silent corruption under IOMMU/ACS). Collective, before the first launch: every rank runs
-  // probe_write() (a kernel stores a pattern into each peer's slab with ordinary peer
-  // stores), then a barrier, then probe_read(), which returns the ranks whose pattern did not
-  // arrive intact in this rank's slab.
-  void probe_write(uint32_t nonce);
-  std::vector<int> probe_read(uint32_t nonce) const;
-
-  const plan::Layout& layout() const { return view_.layout; }
-  int rank() const { return rank_; }
-  int device() const { return device_; }
-  uint64_t bytes() const { return view_.layout.total_bytes; }
+  void close_peers() override;  // peers unmap before owners free
+  void release() override;      // frees the slab and the uploaded programs; idempotent
 
  private:
+  int install(const plan::Program& program, const plan::ProgramFacts& facts) override;
+  std::optional<std::string> transport_limits(const plan::Tactic& tactic) const override;
+
   WorkspaceView view_;
-  int rank_ = 0;
   int device_ = 0;
   ResidencyTable residency_;
   bool peers_open_ = false;
@@ -175,13 +128,15 @@ class CudaLoopback {
   CudaLoopback(const CudaLoopback&) = delete;
   CudaLoopback& operator=(const CudaLoopback&) = delete;
 
-  // Uploads the schedule's programs for every rank; returns an id.
+  // Checks (plan::check_program) and uploads the schedule's programs for every rank; returns
+  // an id.
   int add_schedule(const plan::Schedule& schedule);
 
   // Launches ranks [first_rank, first_rank + count) in ONE kernel (gridDim.y = count); count
   // -1 means the rest. count < world withholds ranks (the timeout test). inputs/outputs are
   // indexed by rank (size world; withheld ranks' entries are ignored). All CTAs of the launch
   // wait on each other, so they must be resident at once: throws std::runtime_error otherwise.
+  // The call itself must meet Call's contract (transport/workspace.h); it is not re-checked.
   void launch(int schedule_id, plan::DType dtype, const plan::Tactic& tactic,
               const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
               int64_t numel, uint32_t signature, cudaStream_t stream, int first_rank = 0,
@@ -198,6 +153,9 @@ class CudaLoopback {
     plan::Schedule schedule;
     ProgramSet programs;
   };
+  void check_launch_args(const Uploaded& up, const plan::Tactic& tactic, size_t inputs,
+                         size_t outputs, int first_rank, int count) const;
+
   WorkspaceView view_;
   int device_ = 0;
   ResidencyTable residency_;

@@ -1,49 +1,36 @@
-// host_shm: the plan executor over POSIX shared memory between CPU processes.
+// host_shm: the transport over POSIX shared memory between CPU processes.
 //
 // Each rank owns one segment laid out by plan::Layout (generation counters, flags, data slots)
 // and maps every peer's segment, so a peer's slots and flags are plain pointers. The executor
 // walks the same per-rank step list the CUDA kernel runs, with the same flag protocol
-// (plan/protocol.h): it is both the CPU all-reduce backend for CPU tensors and the vehicle that
-// exercises every schedule and the flag protocol with real concurrency on machines without GPUs.
+// (plan/protocol.h) and the same named pieces (run_reduce, raise_flag, wait_flag,
+// finish_call): it is both the CPU all-reduce for CPU tensors and the vehicle that exercises
+// every schedule and the flag protocol with real concurrency on machines without GPUs.
 //
-// Lifecycle (collective: every rank does each step):
-//   HostShmWorkspace ws(layout, rank, initial_gen, timeout_s);   // creates our segment
-//   exchange ws.name() with every rank (the caller's process group)
-//   ws.open_peers(names);                                        // maps every peer's segment
-//   barrier                                                      // everyone has mapped us
-//   ws.unlink_own();                                             // nothing left in /dev/shm
-//   ws.run(program, dtype, blocks, input, output, numel, signature);  // any number of times
+// Lifecycle: see transport/workspace.h. The local token is the segment's name.
 #pragma once
 
 #include <cstdint>
-#include <stdexcept>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
-#include "plan/tactic.h"
+#include "transport/workspace.h"
 
 namespace pcie_ar::transport {
 
-// Thrown when an executor fails (a bounded wait expired, or a peer entered the same generation
-// with a different call). Carries the diagnostic the plan layer defines so callers can name the
-// peer that never arrived.
-class TransportFailure : public std::runtime_error {
- public:
-  TransportFailure(const plan::Diagnostic& diagnostic, std::string message);
-  const plan::Diagnostic& diagnostic() const { return diagnostic_; }
-
- private:
-  plan::Diagnostic diagnostic_;
-};
-
 // One rank's shared-memory workspace and the executor that runs step lists over it.
-// Not thread-safe: one call at a time per workspace. Neither copyable nor movable (peers hold
-// pointers into the mapping for as long as it lives).
-class HostShmWorkspace {
+// Not thread-safe: one call at a time. Neither copyable nor movable (peers hold pointers into
+// the mapping for as long as it lives).
+class HostShmWorkspace final : public Workspace {
  public:
+  // The host walks a rank's slices in turn on one thread, so a few are plenty; and every call
+  // refreshes the flags of all its blocks, so fewer blocks make every call cheaper.
+  static constexpr int kMaxBlocks = 8;
+
   // Creates this rank's segment with a unique name ("/pcie_ar.<pid>.<64-bit random hex>.r<rank>"),
   // mode 0600, sized layout.total_bytes (space is reserved up front, so a too-small /dev/shm
   // fails here with a clear error instead of SIGBUS later), and initialises the control area so
@@ -52,55 +39,42 @@ class HostShmWorkspace {
   // Throws std::invalid_argument for a bad rank or timeout, std::runtime_error if the segment
   // cannot be created.
   HostShmWorkspace(const plan::Layout& layout, int rank, uint32_t initial_gen, double timeout_s);
-  ~HostShmWorkspace();  // unmaps everything; unlinks our segment if still linked. Never throws.
+  ~HostShmWorkspace() override;  // unmaps everything; unlinks our segment if still linked
 
-  HostShmWorkspace(const HostShmWorkspace&) = delete;
-  HostShmWorkspace& operator=(const HostShmWorkspace&) = delete;
+  int device() const override { return -1; }
+  const char* name() const override { return "host"; }
+  const std::string& segment_name() const { return segment_name_; }
 
-  const std::string& name() const { return name_; }
-  const plan::Layout& layout() const { return layout_; }
-  int rank() const { return rank_; }
-
-  // Maps every peer's segment; names[r] is rank r's name() and names[rank] must be ours.
+  std::string local_token() const override { return segment_name_; }
+  // Maps every peer's segment; tokens[r] is rank r's segment name and tokens[rank] must be ours.
   // Throws std::runtime_error naming the peer rank if a segment cannot be opened or its size is
   // not layout.total_bytes (both sizes in the message), std::invalid_argument for a wrong name
   // count, std::logic_error if called twice. Whatever was mapped is released by the destructor.
-  void open_peers(const std::vector<std::string>& names);
+  void open_peers(const std::vector<std::string>& tokens) override;
+  // Unlinks our segment's name (every rank has mapped it); peers keep their mappings.
+  void retire_token() noexcept override;
 
-  // Unlinks our segment's name; call once every rank has mapped it. Peers keep their mappings.
-  // Idempotent.
-  void unlink_own() noexcept;
+  // One all-reduce (see Call). The `blocks` slices of every chunk run in turn, each with its
+  // own flags and generation counter, so any block count gives the same result. Throws
+  // TransportFailure on a timeout or a peer call mismatch, and after one refuses every call.
+  void run(const Call& call) override;
+  std::optional<plan::Diagnostic> failure() const override;
 
-  // One all-reduce of `numel` elements of `dtype`, executing `program` (this rank's compiled
-  // step list). input and output are this process's buffers; they may be the same buffer
-  // (in-place) but must not partially overlap. The `blocks` slices of every chunk run in turn,
-  // each with its own flags and generation counter, so any block count gives the same result.
-  // `signature` (plan::call_signature) travels with every flag so peers detect a different call.
-  //
-  // Throws std::invalid_argument when the call cannot run on this workspace (numel * dtype bytes
-  // not a multiple of 16, numel > layout.max_numel, dtype wider than the layout's elements,
-  // blocks outside 1..layout.max_blocks, a program for another rank, world or layout), and
-  // std::logic_error before open_peers(). Neither touches shared memory.
-  // Throws TransportFailure on a timeout or a peer call mismatch. After that the ranks are out of
-  // step and the workspace refuses every further call (TransportFailure with the original
-  // diagnostic): recreate it with every rank.
-  void run(const plan::Program& program, plan::DType dtype, int blocks, const void* input,
-           void* output, int64_t numel, uint32_t signature);
+  void close_peers() override;  // unmaps the peers' segments
+  void release() override;      // unmaps and unlinks our own segment
 
  private:
-  void validate_call(const plan::Program& program, plan::DType dtype, int blocks, const void* input,
-                     const void* output, int64_t numel) const;
-  [[noreturn]] void fail(const plan::Diagnostic& diagnostic);
+  int install(const plan::Program& program, const plan::ProgramFacts& facts) override;
+  void create_segment(uint32_t initial_gen);
+  void size_segment(int fd) const;
 
-  plan::Layout layout_;
-  int rank_ = 0;
   double timeout_s_ = 0.0;
-  std::string name_;
+  std::string segment_name_;
   bool linked_ = false;
   bool peers_open_ = false;
-  bool failed_ = false;
-  plan::Diagnostic failure_{};
+  std::optional<plan::Diagnostic> failure_;
   std::vector<uint8_t*> bases_;  // bases_[r]: rank r's segment as mapped here (ours included)
+  std::vector<plan::Program> programs_;
 };
 
 }  // namespace pcie_ar::transport

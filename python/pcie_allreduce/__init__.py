@@ -25,3 +25,8 @@ def _all_reduce_fake(inp: torch.Tensor, handle: int) -> torch.Tensor:
 @torch.library.register_fake("pcie_allreduce::all_reduce_")
 def _all_reduce_inplace_fake(inp: torch.Tensor, handle: int) -> None:
     return None
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_into")
+def _all_reduce_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
+    return None

@@ -11,15 +11,14 @@ import platform
 import socket
 import sys
 import time
-from typing import Any, Dict, List
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Relative to the sum of |inputs|: one rounding of the result plus one of island partials.
-_RTOL = {"bf16": 2.0**-6, "fp16": 2.0**-9, "fp32": 1e-5}
+from .testing import DTYPES, count_wrong, rank_input
 
 
 def _free_port() -> int:
@@ -37,22 +36,6 @@ def sizes_between(min_bytes: int, max_bytes: int, factor: int, elem: int) -> Lis
             out.append(rounded)
         size *= max(2, factor)
     return out
-
-
-def rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7919 * rank + numel)
-    return torch.randn(numel, generator=g).to(dtype)
-
-
-def reference(world: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, sum of magnitudes) of every rank's input in float64."""
-    total = torch.zeros(numel, dtype=torch.float64)
-    mag = torch.zeros(numel, dtype=torch.float64)
-    for r in range(world):
-        x = rank_input(r, numel, dtype).double()
-        total += x
-        mag += x.abs()
-    return total, mag
 
 
 def _timed(fn, iters: int, sync) -> float:
@@ -84,7 +67,20 @@ def _agree_max(value: float, group: Any) -> float:
     return float(t.item())
 
 
-def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+@dataclass
+class _Rank:
+    """One bench rank: its groups, device and communicator."""
+
+    world: int
+    group: Any
+    cpu_group: Any  # gloo: object exchange and barriers
+    device: torch.device
+    ar: Any
+    sync: Callable[[], None]
+
+
+def _set_up(rank: int, world: int, port: int, opts: Dict[str, Any], max_numel: int) -> _Rank:
+    """Joins the process group and builds the communicator for `max_numel` elements."""
     torch.set_num_threads(1)
     cuda = opts["transport"] == "cuda"
     if cuda:
@@ -100,71 +96,95 @@ def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) 
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo") if cuda else group
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dtype = _DTYPES[opts["dtype"]]
+    ar = PcieAllReduce(group, device, max_numel=max_numel, table=opts["table"], cpu_group=cpu_group)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    return _Rank(world, group, cpu_group, device, ar, sync)
+
+
+def _verify(r: _Rank, x: torch.Tensor, dtype_name: str) -> int:
+    """Wrong elements of one all-reduce of x (at least 1 if the ranks' bits differ)."""
+    out = r.ar.all_reduce(x)
+    r.ar.synchronize()
+    wrong = count_wrong(out, r.world, x.numel(), dtype_name)
+    # Tensor-parallel replicas diverge unless every rank gets the same bits.
+    as_int = torch.int16 if x.element_size() == 2 else torch.int32
+    bits = out.cpu().view(as_int).long().sum().item()
+    all_bits: List[int] = [0] * r.world
+    dist.all_gather_object(all_bits, bits, group=r.cpu_group)
+    if len(set(all_bits)) != 1:
+        wrong = max(wrong, 1)
+    return wrong
+
+
+def _seconds_per_call(r: _Rank, fn: Callable[[], None], opts: Dict[str, Any]) -> float:
+    """fn's time per call, the slowest rank's, after warm-up (under graph replay with --graph)."""
+    for _ in range(opts["warmup"]):
+        fn()
+    if opts["graph"]:
+        fn = _graphed(fn, _GRAPH_CALLS, r.device)
+    iters = opts["iters"]
+    if iters <= 0:
+        probe = _agree_max(_timed(fn, 3, r.sync), r.cpu_group)
+        iters = int(min(500, max(5, 0.1 / max(probe, 1e-7))))
+    dist.barrier(group=r.cpu_group)
+    per_call = _GRAPH_CALLS if opts["graph"] else 1
+    return _agree_max(_timed(fn, iters, r.sync), r.cpu_group) / per_call
+
+
+def _time_ours_and_fallback(
+    r: _Rank, x: torch.Tensor, opts: Dict[str, Any]
+) -> Tuple[float, float]:
+    """Seconds per call of ours and of the group's own all-reduce, on the same input."""
+    scratch = x.clone()
+
+    def ours() -> None:
+        r.ar.all_reduce(x)
+
+    def fallback() -> None:
+        scratch.copy_(x)
+        dist.all_reduce(scratch, group=r.group)
+
+    return _seconds_per_call(r, ours, opts), _seconds_per_call(r, fallback, opts)
+
+
+def _row(size: int, numel: int, world: int, dtype_name: str, wrong: int, tactic: str,
+         t_ours: float, t_fb: float) -> Dict[str, Any]:
+    algbw = size / t_ours / 1e9
+    return {
+        "size": size,
+        "count": numel,
+        "type": dtype_name,
+        "time_us": t_ours * 1e6,
+        "algbw": algbw,
+        "busbw": algbw * 2 * (world - 1) / world,
+        "wrong": wrong,
+        "fallback_us": t_fb * 1e6,
+        "speedup": t_fb / t_ours,
+        "tactic": tactic,
+    }
+
+
+def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+    dtype_name = opts["dtype"]
+    dtype = DTYPES[dtype_name]
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = sizes_between(opts["min_bytes"], opts["max_bytes"], opts["step_factor"], elem)
     max_numel = max(sizes) // elem
     max_numel += (-max_numel) % 8
-    ar = PcieAllReduce(group, device, max_numel=max_numel, table=opts["table"], cpu_group=cpu_group)
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    r = _set_up(rank, world, port, opts, max_numel)
     rows = []
     for size in sizes:
         numel = size // elem
-        x = rank_input(rank, numel, dtype).to(device)
-        out = ar.all_reduce(x)
-        ar.synchronize()
-        ref, mag = reference(world, numel, dtype)
-        err = (out.cpu().double() - ref).abs()
-        wrong = int((err > _RTOL[opts["dtype"]] * mag + 1e-6).sum().item())
-        # Tensor-parallel replicas diverge unless every rank gets the same bits.
-        bits = out.cpu().view(torch.int16 if elem == 2 else torch.int32).long().sum().item()
-        all_bits: List[int] = [0] * world
-        dist.all_gather_object(all_bits, bits, group=cpu_group)
-        if len(set(all_bits)) != 1:
-            wrong = max(wrong, 1)
-        tactic = ar.chosen_tactic(x)
-
-        scratch = x.clone()
-
-        def ours() -> None:
-            ar.all_reduce(x)
-
-        def fallback() -> None:
-            scratch.copy_(x)
-            dist.all_reduce(scratch, group=group)
-
-        times = []
-        for fn in (ours, fallback):
-            for _ in range(opts["warmup"]):
-                fn()
-            if opts["graph"]:
-                fn = _graphed(fn, _GRAPH_CALLS, device)
-            iters = opts["iters"]
-            if iters <= 0:
-                probe = _agree_max(_timed(fn, 3, sync), cpu_group)
-                iters = int(min(500, max(5, 0.1 / max(probe, 1e-7))))
-            dist.barrier(group=cpu_group)
-            per_call = _GRAPH_CALLS if opts["graph"] else 1
-            times.append(_agree_max(_timed(fn, iters, sync), cpu_group) / per_call)
-        t_ours, t_fb = times
-        algbw = size / t_ours / 1e9
-        row = {
-            "size": size,
-            "count": numel,
-            "type": opts["dtype"],
-            "time_us": t_ours * 1e6,
-            "algbw": algbw,
-            "busbw": algbw * 2 * (world - 1) / world,
-            "wrong": wrong,
-            "fallback_us": t_fb * 1e6,
-            "speedup": t_fb / t_ours,
-            "tactic": tactic,
-        }
+        x = rank_input(rank, numel, dtype).to(r.device)
+        wrong = _verify(r, x, dtype_name)
+        tactic = r.ar.chosen_tactic(x)
+        t_ours, t_fb = _time_ours_and_fallback(r, x, opts)
+        row = _row(size, numel, world, dtype_name, wrong, tactic, t_ours, t_fb)
         rows.append(row)
         if rank == 0:
             print(_format_row(row), flush=True)
-    stats = ar.stats()
-    ar.destroy()
+    stats = r.ar.stats()
+    r.ar.destroy()
     if rank == 0:
         queue.put({"rows": rows, "stats": stats})
     dist.destroy_process_group()
@@ -178,33 +198,67 @@ def _format_row(r: Dict[str, Any]) -> str:
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def _transport_and_world(args: argparse.Namespace) -> Tuple[str, int, Optional[str]]:
+    """(transport, world, why not): why not is None when this machine can run the request."""
     transport = args.transport
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if transport == "auto":
         transport = "cuda" if gpus >= 2 else "host"
     if transport == "cuda":
         if gpus < 2:
-            print(
-                f"pcie-allreduce bench: --transport cuda needs at least 2 GPUs, found {gpus}; "
-                "use --transport host on this machine",
-                file=sys.stderr,
+            return transport, 0, (
+                f"--transport cuda needs at least 2 GPUs, found {gpus}; "
+                "use --transport host on this machine"
             )
-            return 2
         world = args.world or min(gpus, 8)
         if world > gpus:
-            print(f"pcie-allreduce bench: --world {world} > {gpus} GPUs", file=sys.stderr)
-            return 2
+            return transport, world, f"--world {world} > {gpus} GPUs"
     else:
         world = args.world or 2
     if not 2 <= world <= 8:
-        print(f"pcie-allreduce bench: --world must be in 2..8, got {world}", file=sys.stderr)
-        return 2
+        return transport, world, f"--world must be in 2..8, got {world}"
     if args.graph and transport != "cuda":
-        print("pcie-allreduce bench: --graph needs --transport cuda", file=sys.stderr)
-        return 2
+        return transport, world, "--graph needs --transport cuda"
     if args.min_bytes > args.max_bytes:
-        print("pcie-allreduce bench: --min-bytes exceeds --max-bytes", file=sys.stderr)
+        return transport, world, "--min-bytes exceeds --max-bytes"
+    return transport, world, None
+
+
+def _print_header(transport: str, world: int, dtype_name: str) -> None:
+    fallback = "nccl" if transport == "cuda" else "gloo"
+    print(
+        f"# pcie-allreduce bench: transport={transport} world={world} dtype={dtype_name} "
+        f"fallback={fallback} host={platform.node()} cpus={os.cpu_count()} torch={torch.__version__}"
+    )
+    print(
+        f"# {'':>34} {'pcie_allreduce':^36} {'fallback':>12}\n"
+        f"# {'size(B)':>10} {'count':>10} {'type':>6} {'time(us)':>10} {'algbw':>8} "
+        f"{'busbw':>8} {'#wrong':>7} {'time(us)':>12} {'speedup':>9}  tactic",
+        flush=True,
+    )
+
+
+def _run_ranks(world: int, opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Spawns the ranks; rank 0's rows and stats, or None (said on stderr) if any rank failed."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, opts, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        print(f"pcie-allreduce bench: ranks {failed} failed", file=sys.stderr)
+        return None
+    return queue.get()
+
+
+def main(args: argparse.Namespace) -> int:
+    transport, world, why_not = _transport_and_world(args)
+    if why_not is not None:
+        print(f"pcie-allreduce bench: {why_not}", file=sys.stderr)
         return 2
     opts = {
         "transport": transport,
@@ -217,30 +271,10 @@ def main(args: argparse.Namespace) -> int:
         "table": args.table,
         "graph": args.graph,
     }
-    fallback = "nccl" if transport == "cuda" else "gloo"
-    print(
-        f"# pcie-allreduce bench: transport={transport} world={world} dtype={args.dtype} "
-        f"fallback={fallback} host={platform.node()} cpus={os.cpu_count()} torch={torch.__version__}"
-    )
-    print(
-        f"# {'':>34} {'pcie_allreduce':^36} {'fallback':>12}\n"
-        f"# {'size(B)':>10} {'count':>10} {'type':>6} {'time(us)':>10} {'algbw':>8} "
-        f"{'busbw':>8} {'#wrong':>7} {'time(us)':>12} {'speedup':>9}  tactic",
-        flush=True,
-    )
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, opts, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        print(f"pcie-allreduce bench: ranks {failed} failed", file=sys.stderr)
+    _print_header(transport, world, args.dtype)
+    result = _run_ranks(world, opts)
+    if result is None:
         return 1
-    result = queue.get()
     wrong = sum(r["wrong"] for r in result["rows"])
     print(f"# stats (rank 0): {json.dumps(result['stats'], sort_keys=True)}")
     if args.json:

@@ -40,31 +40,26 @@ def _summaries(world: int, island_of: List[int]) -> List[Dict[str, Any]]:
     return rows
 
 
-def cmd_topo(args: argparse.Namespace) -> int:
-    text: Optional[str] = None
-    if args.nvidia_smi_topo:
-        text = Path(args.nvidia_smi_topo).read_text()
-    else:
-        text = topo_mod.nvidia_smi_topo_text()
-    report: Dict[str, Any] = {}
-    if text is None:
-        host = topo_mod.describe_host()
-        report = {"gpus": 0, "host": host}
-        if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            print("No GPUs found (nvidia-smi unavailable and no --nvidia-smi-topo FILE given).")
-            print(
-                f"Host: {host['cpus']} CPUs ({host['cpu']}), {host['numa_nodes']} NUMA node(s), "
-                f"/dev/shm free {host['dev_shm_free_bytes']} bytes."
-            )
-            print("The host shared-memory transport serves CPU tensors here: "
-                  "`pcie-allreduce bench --transport host`.")
+def _describe_host(as_json: bool) -> int:
+    """topo on a machine without GPUs: what the host transport has to work with."""
+    host = topo_mod.describe_host()
+    if as_json:
+        print(json.dumps({"gpus": 0, "host": host}, indent=2))
         return 0
-    topo = _C.Topology.from_nvidia_smi(text)
+    print("No GPUs found (nvidia-smi unavailable and no --nvidia-smi-topo FILE given).")
+    print(
+        f"Host: {host['cpus']} CPUs ({host['cpu']}), {host['numa_nodes']} NUMA node(s), "
+        f"/dev/shm free {host['dev_shm_free_bytes']} bytes."
+    )
+    print("The host shared-memory transport serves CPU tensors here: "
+          "`pcie-allreduce bench --transport host`.")
+    return 0
+
+
+def _topo_report(topo: Any) -> Dict[str, Any]:
     island_of = topo.island_of() if len(topo.islands()) > 1 else []
     world = topo.world
-    report = {
+    return {
         "gpus": world,
         "islands": topo.islands(),
         "table_key": topo.table_key(),
@@ -73,9 +68,22 @@ def cmd_topo(args: argparse.Namespace) -> int:
         "island_algorithms": topo.why_not_two_equal_islands() or "available",
         "schedules": _summaries(world, island_of) if 2 <= world <= 8 else [],
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
+
+
+def _print_schedules(rows: List[Dict[str, Any]]) -> None:
+    print(f"{'algorithm':<16}{'dir':<6}{'staged':<8}{'ok':<4}{'stages':>7}{'out/stage':>11}"
+          f"{'in/stage':>10}{'cross-island (xN each way)':>28}")
+    for r in rows:
+        if not r["supported"]:
+            print(f"{r['algorithm']:<16}-- {r['reason']}")
+            continue
+        print(f"{r['algorithm']:<16}{r['direction']:<6}{str(r['staged']).lower():<8}"
+              f"{'yes' if r['verified'] else 'NO':<4}{r['stages']:>7}"
+              f"{r['max_outbound_per_stage']:>11}{r['max_inbound_per_stage']:>10}"
+              f"{r['cross_island_elements']:>28g}")
+
+
+def _print_topo(topo: Any, report: Dict[str, Any]) -> None:
     print(topo.describe())
     print(f"table key:   {report['table_key']}")
     print(f"fingerprint: {report['fingerprint']}")
@@ -84,19 +92,26 @@ def cmd_topo(args: argparse.Namespace) -> int:
               "pcie_allreduce declines by itself here.")
     print(f"island algorithms: {report['island_algorithms']}")
     if not report["schedules"]:
-        print(f"(no schedules: world size {world} is outside 2..8)")
-        return 0
+        print(f"(no schedules: world size {topo.world} is outside 2..8)")
+        return
     print()
-    print(f"{'algorithm':<16}{'dir':<6}{'staged':<8}{'ok':<4}{'stages':>7}{'out/stage':>11}"
-          f"{'in/stage':>10}{'cross-island (xN each way)':>28}")
-    for r in report["schedules"]:
-        if not r["supported"]:
-            print(f"{r['algorithm']:<16}-- {r['reason']}")
-            continue
-        print(f"{r['algorithm']:<16}{r['direction']:<6}{str(r['staged']).lower():<8}"
-              f"{'yes' if r['verified'] else 'NO':<4}{r['stages']:>7}"
-              f"{r['max_outbound_per_stage']:>11}{r['max_inbound_per_stage']:>10}"
-              f"{r['cross_island_elements']:>28g}")
+    _print_schedules(report["schedules"])
+
+
+def cmd_topo(args: argparse.Namespace) -> int:
+    text: Optional[str] = None
+    if args.nvidia_smi_topo:
+        text = Path(args.nvidia_smi_topo).read_text()
+    else:
+        text = topo_mod.nvidia_smi_topo_text()
+    if text is None:
+        return _describe_host(args.json)
+    topo = _C.Topology.from_nvidia_smi(text)
+    report = _topo_report(topo)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_topo(topo, report)
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,6 @@ logger = logging.getLogger("pcie_allreduce")
 
 DEFAULT_ROWS = 64
 DEFAULT_HIDDEN = 8192
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def resolve_max_numel(
@@ -114,9 +113,23 @@ class PcieAllReduce:
         self._cpu_group = _cpu_group_for(self.group, cpu_group)
         self.max_numel = resolve_max_numel(max_numel, hidden, max_rows)
         self.timeout_s = env.timeout_s if timeout_s is None else float(timeout_s)
-        table_text, table_source = _read_table(table)
-        table_obj = _C.TuningTable.parse(table_text or _C.TuningTable.embedded_text(), table_source)
 
+        opts = self._options(env, table, dtypes, initial_generation)
+        off = ("none", "") if enabled else ("disabled", "constructed with enabled=False")
+        off = self._probe(opts, topology, islands, off)
+        opts.disabled, opts.disabled_detail = self._handshake(opts, dtypes, off)
+        self._comm = _C.Communicator(opts)
+        self._connect()
+        if opts.transport == "cuda" and self._comm.enabled():
+            self._verify_p2p()
+        self.handle = _C.register_communicator(self._comm)
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ construction steps
+    def _options(
+        self, env: Any, table: Optional[str], dtypes: Sequence[str], initial_generation: int
+    ) -> "_C.Options":
+        """Everything this rank alone decides about the communicator."""
         opts = _C.Options()
         opts.rank = self.rank
         opts.world = self.world_size
@@ -126,55 +139,64 @@ class PcieAllReduce:
         opts.device = self.device.index if self.device.type == "cuda" else -1
         opts.timeout_s = self.timeout_s
         opts.initial_gen = int(initial_generation) & 0xFFFFFFFF
-        opts.table_text = table_text
-        opts.table_source = table_source
+        opts.table_text, opts.table_source = _read_table(table)
         opts.group_name = self.group.group_name
         opts.log_level = env.log_level
-        disabled, detail = ("none", "")
-        if not enabled:
-            disabled, detail = "disabled", "constructed with enabled=False"
-        topo_key, island_of = "host", island_map(self.world_size, islands)
-        if opts.transport == "cuda" and islands is None:
-            from .topology import probe_cuda_group
+        return opts
 
-            probe = probe_cuda_group(self._cpu_group, self.device, topology)
-            topo_key, island_of = probe.table_key, probe.island_of
-            if probe.decline is not None and disabled == "none":
-                disabled, detail = probe.decline, probe.detail
-        elif opts.transport == "cuda":
-            topo_key = _C.Topology.from_islands([list(i) for i in islands]).table_key()
-        opts.topology_key = topo_key
-        opts.island_of = island_of
+    def _probe(
+        self,
+        opts: "_C.Options",
+        topology: Optional[Any],
+        islands: Optional[Sequence[Sequence[int]]],
+        off: Tuple[str, str],
+    ) -> Tuple[str, str]:
+        """Topology key and islands (collective on CUDA: every rank names its GPU); NVLink
+        hosts turn the backend off. Returns the (reason, detail) the backend is off for."""
+        opts.topology_key, opts.island_of = "host", island_map(self.world_size, islands)
+        if opts.transport != "cuda":
+            return off
+        if islands is not None:
+            opts.topology_key = _C.Topology.from_islands([list(i) for i in islands]).table_key()
+            return off
+        from .topology import probe_cuda_group
 
-        # Every rank must agree on everything that decides a call's path, or they deadlock.
+        probe = probe_cuda_group(self._cpu_group, self.device, topology)
+        opts.topology_key, opts.island_of = probe.table_key, probe.island_of
+        if probe.decline is not None and off[0] == "none":
+            return probe.decline, probe.detail
+        return off
+
+    def _handshake(
+        self, opts: "_C.Options", dtypes: Sequence[str], off: Tuple[str, str]
+    ) -> Tuple[str, str]:
+        """Every rank must agree on everything that decides a call's path, or they deadlock:
+        a disagreement (or any rank being off) turns the backend off on every rank."""
+        table = _C.TuningTable.parse(
+            opts.table_text or _C.TuningTable.embedded_text(), opts.table_source
+        )
         mine = {
             "world": self.world_size,
             "max_numel": self.max_numel,
             "dtypes": sorted(dtypes),
             "transport": opts.transport,
-            "table_hash": table_obj.hash(),
-            "topology": topo_key,
-            "island_of": list(island_of),
+            "table_hash": table.hash(),
+            "topology": opts.topology_key,
+            "island_of": list(opts.island_of),
             "timeout_s": self.timeout_s,
-            "disabled": disabled,
+            "disabled": off[0],
         }
         everyone: List[Dict[str, Any]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(everyone, mine, group=self._cpu_group)
-        if disabled == "none":
-            disabled, detail = _disagreement(everyone)
-        opts.disabled = disabled
-        opts.disabled_detail = detail
+        return off if off[0] != "none" else _disagreement(everyone)
 
-        self._comm = _C.Communicator(opts)
-        handles = [None] * self.world_size
-        dist.all_gather_object(handles, self._comm.local_handle(), group=self._cpu_group)
-        self._comm.connect(handles)
+    def _connect(self) -> None:
+        """Every rank maps every peer's workspace, then drops what let peers find its own."""
+        tokens = [None] * self.world_size
+        dist.all_gather_object(tokens, self._comm.local_token(), group=self._cpu_group)
+        self._comm.connect(tokens)
         dist.barrier(group=self._cpu_group)
-        self._comm.after_all_connected()
-        if opts.transport == "cuda" and self._comm.enabled():
-            self._verify_p2p()
-        self.handle = _C.register_communicator(self._comm)
-        self._destroyed = False
+        self._comm.retire_token()
 
     def _verify_p2p(self) -> None:
         """Every rank writes a pattern into every peer's workspace and checks what arrived:
@@ -193,8 +215,8 @@ class PcieAllReduce:
             pairs = ", ".join(f"rank {s} -> rank {d}" for s, d in broken[:8])
             self._comm.disable(
                 "no_p2p",
-                f"peer writes did not arrive intact ({pairs}); check IOMMU/ACS settings "
-                "(`pcie-allreduce doctor`)",
+                f"peer writes did not arrive intact ({pairs}); check the IOMMU/ACS settings "
+                "of the PCIe path between those GPUs",
             )
 
     # ------------------------------------------------------------------ queries
@@ -239,38 +261,32 @@ class PcieAllReduce:
 
     # ------------------------------------------------------------------ the call
     def all_reduce(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The sum of ``t`` over the group: kernels when admitted, the fallback otherwise."""
-        try:
-            if out is None:
-                return torch.ops.pcie_allreduce.all_reduce(t, self.handle)
-            return self._comm.all_reduce(t, out)
-        except RuntimeError as e:
-            self._raise_failure(e)
-            raise
+        """The sum of ``t`` over the group: kernels when admitted, the fallback otherwise.
+
+        Raises PcieAllReduceTimeout (with the diagnostic) when a peer never arrived or
+        disagreed about the call."""
+        if out is None:
+            return torch.ops.pcie_allreduce.all_reduce(t, self.handle)
+        torch.ops.pcie_allreduce.all_reduce_into(t, self.handle, out)
+        return out
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            torch.ops.pcie_allreduce.all_reduce_(t, self.handle)
-            return t
-        except RuntimeError as e:
-            self._raise_failure(e)
-            raise
+        torch.ops.pcie_allreduce.all_reduce_(t, self.handle)
+        return t
 
     def synchronize(self) -> None:
         """Waits for the device; a kernel that timed out raises PcieAllReduceTimeout here."""
-        try:
-            if self.device.type == "cuda":
+        if self.device.type == "cuda":
+            try:
                 torch.cuda.synchronize(self.device)
-            self._comm.raise_if_failed()
-        except RuntimeError as e:
-            self._raise_failure(e)
-            raise
-
-    def _raise_failure(self, error: RuntimeError) -> None:
-        diagnostic = self._comm.failure()
-        if diagnostic is not None or _C.FAILURE_PREFIX in str(error):
-            message = diagnostic["message"] if diagnostic else str(error)
-            raise PcieAllReduceTimeout(message, diagnostic) from error
+            except RuntimeError as error:
+                # A kernel that timed out traps, and CUDA reports only that it died: the
+                # diagnostic it left in mapped host memory says why.
+                diagnostic = self._comm.failure()
+                if diagnostic is None:
+                    raise
+                raise PcieAllReduceTimeout(diagnostic["message"], diagnostic) from error
+        self._comm.raise_if_failed()
 
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Optional
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -21,9 +20,7 @@ class Env:
     enable: bool
     max_numel: Optional[int]
     table: Optional[str]
-    cache_dir: Path
     timeout_s: float
-    disable_autotune: bool
     log_level: int
 
 
@@ -86,14 +83,11 @@ def _log_level(env: Mapping[str, str]) -> int:
 
 def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
     env = os.environ if env is None else env
-    cache = env.get("PCIE_ALLREDUCE_CACHE_DIR") or str(Path.home() / ".cache" / "pcie_allreduce")
     table = env.get("PCIE_ALLREDUCE_TABLE") or None
     return Env(
         enable=_flag(env, "PCIE_ALLREDUCE_ENABLE", False),
         max_numel=_max_numel(env),
         table=table,
-        cache_dir=Path(cache),
         timeout_s=_timeout(env),
-        disable_autotune=_flag(env, "PCIE_ALLREDUCE_DISABLE_AUTOTUNE", False),
         log_level=_log_level(env),
     )

@@ -85,10 +85,6 @@ class GroupTopology:
     fingerprint: str = ""
 
 
-def _group_links(topo: "_C.Topology", gpu_index: List[int]) -> List[List[str]]:
-    return [[topo.link(a, b) for b in gpu_index] for a in gpu_index]
-
-
 def probe_cuda_group(
     cpu_group: Any, device: torch.device, given: Optional[Any] = None
 ) -> GroupTopology:
@@ -110,24 +106,17 @@ def probe_cuda_group(
         if topo.world != world:
             return GroupTopology(detail="could not map ranks to nvidia-smi GPUs: assuming flat")
         gpu_index = list(range(world))
-    links = _group_links(topo, gpu_index)
-    if any(c.startswith("NV") for row in links for c in row):
-        pairs = [(a, b) for a in range(world) for b in range(world) if links[a][b].startswith("NV")]
+    group_topo = topo.subset(gpu_index)  # rank r sees its own GPU's links
+    nvlink = group_topo.nvlink_pairs()
+    if nvlink:
+        a, b = nvlink[0]
         return GroupTopology(
             table_key="nvlink",
             decline="nvlink",
-            detail=f"ranks {pairs[0][0]} and {pairs[0][1]} are NVLink-connected; the engine's "
-            "own custom all-reduce is faster there",
+            detail=f"ranks {a} and {b} are NVLink-connected; the engine's own custom all-reduce "
+            "is faster there",
         )
-    # Islands: components of "better than SYS" among the group's GPUs.
-    island_of = list(range(world))
-    for a in range(world):
-        for b in range(world):
-            if a != b and links[a][b] != "SYS":  # "X": two ranks on one GPU
-                lo, hi = sorted((island_of[a], island_of[b]))
-                island_of = [lo if i == hi else i for i in island_of]
-    ids = sorted(set(island_of))
-    island_of = [ids.index(i) for i in island_of]
-    islands = [[r for r in range(world) if island_of[r] == i] for i in range(len(ids))]
-    key = _C.Topology.from_islands(islands).table_key()
-    return GroupTopology(table_key=key, island_of=island_of if len(ids) > 1 else [])
+    several = len(group_topo.islands()) > 1
+    return GroupTopology(
+        table_key=group_topo.table_key(), island_of=group_topo.island_of() if several else []
+    )

@@ -28,6 +28,7 @@
 #include "plan/schedule.h"
 #include "plan/tactic.h"
 #include "transport/host_shm.h"
+#include "transport/workspace.h"
 
 namespace pcie_ar::transport {
 namespace {
@@ -47,6 +48,20 @@ void set_text(char (&dst)[N], const std::string& text) {
   const size_t n = std::min(text.size(), N - 1);
   std::memcpy(dst, text.data(), n);
   dst[n] = '\0';
+}
+
+// One all-reduce through the transport interface, as the communicator issues it.
+void run_call(Workspace& ws, int program, DType dtype, int blocks, const void* input, void* output,
+              int64_t numel, uint32_t signature) {
+  Call call;
+  call.program = program;
+  call.dtype = dtype;
+  call.blocks = blocks;
+  call.input = input;
+  call.output = output;
+  call.numel = numel;
+  call.signature = signature;
+  ws.run(call);
 }
 
 // ------------------------------------------------------------------ numbers (test-side)
@@ -322,13 +337,13 @@ void record_exception(RankReport* report, const std::exception& e) {
   mark(report, kRunning);
   try {
     HostShmWorkspace ws(spec.layout, rank, spec.initial_gen, spec.timeout_s);
-    set_text(arena->names[rank], ws.name());
+    set_text(arena->names[rank], ws.segment_name());
     arrive_and_wait(arena, spec.world, 30.0);
     std::vector<std::string> names;
     for (int r = 0; r < spec.world; ++r) names.emplace_back(arena->names[r]);
     ws.open_peers(names);
     arrive_and_wait(arena, 2 * spec.world, 30.0);  // everyone has mapped everyone
-    ws.unlink_own();
+    ws.retire_token();
     ChildEnv env{rank, arena, report, hashes};
     body(ws, env);
     mark(report, kReturned);
@@ -542,9 +557,10 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 // The child's side of a workload: every call in order, each output checked elementwise.
 void run_workload(const Workload& w, HostShmWorkspace& ws, ChildEnv& env) {
-  std::vector<plan::Program> programs;
-  for (const TacticCase& t : w.tactics)
-    programs.push_back(plan::encode_program(t.schedule, env.rank));
+  std::vector<int> programs;
+  for (const TacticCase& t : w.tactics) {
+    programs.push_back(ws.add_program(plan::encode_program(t.schedule, env.rank)));
+  }
   const size_t max_bytes = static_cast<size_t>(ws.layout().max_numel) * 4;
   std::vector<uint8_t> input(max_bytes + kGuardBytes);
   std::vector<uint8_t> output(max_bytes + kGuardBytes);
@@ -561,8 +577,8 @@ void run_workload(const Workload& w, HostShmWorkspace& ws, ChildEnv& env) {
     uint8_t* out = call.in_place ? input.data() : output.data();
     plan::Tactic tactic = w.tactics[call.tactic].tactic;
     tactic.blocks = call.blocks;
-    ws.run(programs[call.tactic], call.dtype, call.blocks, input.data(), out, call.numel,
-           plan::call_signature(call.dtype, tactic));
+    run_call(ws, programs[call.tactic], call.dtype, call.blocks, input.data(), out, call.numel,
+             plan::call_signature(call.dtype, tactic));
     const bool guards_intact =
         std::all_of(input.begin() + bytes, input.begin() + bytes + kGuardBytes,
                     [](uint8_t b) { return b == kGuardByte; }) &&
@@ -753,15 +769,15 @@ TEST(HostShm, GenerationWrapAroundIsSeamless) {
 // report (the body returns normally).
 void timed_call(HostShmWorkspace& ws, ChildEnv& env, const plan::Tactic& tactic, int world,
                 int64_t numel) {
-  const plan::Program program = plan::encode_program(
-      plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, world), env.rank);
+  const int program = ws.add_program(plan::encode_program(
+      plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, world), env.rank));
   std::vector<float> data(static_cast<size_t>(numel));
   for (int64_t i = 0; i < numel; ++i) data[i] = input_value(9, env.rank, i, DType::kFP32);
   std::vector<float> out(data.size());
   const double start = now_s();
   try {
-    ws.run(program, DType::kFP32, tactic.blocks, data.data(), out.data(), numel,
-           plan::call_signature(DType::kFP32, tactic));
+    run_call(ws, program, DType::kFP32, tactic.blocks, data.data(), out.data(), numel,
+             plan::call_signature(DType::kFP32, tactic));
     set_text(env.report->message, "the call returned instead of failing");
   } catch (const TransportFailure& e) {
     env.report->failure_elapsed_s = now_s() - start;
@@ -769,8 +785,8 @@ void timed_call(HostShmWorkspace& ws, ChildEnv& env, const plan::Tactic& tactic,
     // The ranks are out of step now: the next call must be refused at once, not hang.
     const double retry = now_s();
     try {
-      ws.run(program, DType::kFP32, tactic.blocks, data.data(), out.data(), numel,
-             plan::call_signature(DType::kFP32, tactic));
+      run_call(ws, program, DType::kFP32, tactic.blocks, data.data(), out.data(), numel,
+               plan::call_signature(DType::kFP32, tactic));
     } catch (const TransportFailure&) {
       env.report->scenario_ok = now_s() - retry < 0.1 ? 1 : 0;
     }
@@ -845,11 +861,11 @@ TEST(HostShm, KilledPeerIsReportedAndLeavesNothingInDevShm) {
   const plan::Schedule schedule =
       plan::build_schedule(Algorithm::kTwoshot, Direction::kPush, true, 2);
   const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
-    const plan::Program program = plan::encode_program(schedule, env.rank);
+    const int program = ws.add_program(plan::encode_program(schedule, env.rank));
     std::vector<float> data(64, 1.0f + env.rank);
     for (int i = 0; i < kCallsBeforeDeath; ++i) {
-      ws.run(program, DType::kFP32, 1, data.data(), data.data(), 64,
-             plan::call_signature(DType::kFP32, tactic));
+      run_call(ws, program, DType::kFP32, 1, data.data(), data.data(), 64,
+               plan::call_signature(DType::kFP32, tactic));
       env.report->calls_done = i + 1;
     }
     if (env.rank == 1) kill(getpid(), SIGKILL);  // mid-sequence, no destructor, no cleanup
@@ -931,7 +947,7 @@ TEST(HostShm, EveryHalfPrecisionValueSurvivesASumWithZero) {
   const plan::Schedule schedule =
       plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
   const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
-    const plan::Program program = plan::encode_program(schedule, env.rank);
+    const int program = ws.add_program(plan::encode_program(schedule, env.rank));
     std::vector<uint16_t> input(kNumel);
     std::vector<uint16_t> output(kNumel);
     for (DType dtype : {DType::kFP16, DType::kBF16}) {
@@ -939,8 +955,8 @@ TEST(HostShm, EveryHalfPrecisionValueSurvivesASumWithZero) {
         input[i] = env.rank == 0 ? static_cast<uint16_t>(i) : 0;
       }
       std::fill(output.begin(), output.end(), 0x1234);
-      ws.run(program, dtype, 3, input.data(), output.data(), kNumel,
-             plan::call_signature(dtype, tactic));
+      run_call(ws, program, dtype, 3, input.data(), output.data(), kNumel,
+               plan::call_signature(dtype, tactic));
       for (int64_t i = 0; i < kNumel; ++i) {
         const auto bits = static_cast<uint16_t>(i);
         uint8_t bytes[4] = {};  // decode() reads up to 4 bytes
@@ -1005,7 +1021,7 @@ TEST(HostShm, OverflowTiesAndNaNRoundAsIeeeSays) {
   const plan::Schedule schedule =
       plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
   const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
-    const plan::Program program = plan::encode_program(schedule, env.rank);
+    const int program = ws.add_program(plan::encode_program(schedule, env.rank));
     for (DType dtype : plan::kAllDTypes) {
       const int elem = plan::dtype_bytes(dtype);
       std::vector<const Case*> mine;
@@ -1020,8 +1036,8 @@ TEST(HostShm, OverflowTiesAndNaNRoundAsIeeeSays) {
             i < static_cast<int64_t>(mine.size()) ? (env.rank == 0 ? mine[i]->a : mine[i]->b) : 1.0;
         encode(dtype, static_cast<float>(v), &input[i * elem]);
       }
-      ws.run(program, dtype, 1, input.data(), output.data(), numel,
-             plan::call_signature(dtype, tactic));
+      run_call(ws, program, dtype, 1, input.data(), output.data(), numel,
+               plan::call_signature(dtype, tactic));
       for (int64_t i = 0; i < numel; ++i) {
         const double want = i < static_cast<int64_t>(mine.size()) ? mine[i]->want : 2.0;
         const double got = decode(dtype, &output[i * elem]);
@@ -1058,26 +1074,21 @@ std::string message_of(F&& f) {
   return "no exception";
 }
 
-TEST(HostShm, RejectsInvalidCallsSayingWhatWasExpected) {
+// What the workspace itself refuses: bad peers, programs that fail plan::check_program, and
+// tactics outside the layout. Calls are admitted by the communicator (tests/python), so run()
+// re-checks nothing.
+TEST(HostShm, RejectsInvalidSetupSayingWhatWasExpected) {
   const plan::Layout layout = plan::make_layout(1024, 2, 4);
   std::string names[2];
   {
     HostShmWorkspace ws0(layout, 0, 0, 1.0);
     HostShmWorkspace ws1(layout, 1, 0, 1.0);
-    names[0] = ws0.name();
-    names[1] = ws1.name();
+    names[0] = ws0.segment_name();
+    names[1] = ws1.segment_name();
+    EXPECT_EQ(ws0.local_token(), names[0]);
     const plan::Program program = plan::encode_program(
         plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2), 0);
-    std::vector<float> in(2048);
-    std::vector<float> out(2048);
-    auto run = [&](DType dtype, int blocks, int64_t numel, const void* input = nullptr,
-                   void* output = nullptr, const plan::Program* p = nullptr) {
-      ws0.run(p ? *p : program, dtype, blocks, input ? input : in.data(),
-              output ? output : out.data(), numel, 0);
-    };
 
-    EXPECT_TRUE(
-        contains(message_of<std::logic_error>([&] { run(DType::kFP32, 1, 64); }), "open_peers"));
     EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { ws0.open_peers({names[0]}); }),
                          "one segment"));
     EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] {
@@ -1091,25 +1102,18 @@ TEST(HostShm, RejectsInvalidCallsSayingWhatWasExpected) {
                          "already"));
 
     // None of these may touch shared memory: rank 1 never runs, so a wait would time out.
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { run(DType::kFP32, 1, 3); }),
-                         "multiple of 16 bytes, got 12 bytes"));
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { run(DType::kBF16, 1, 12); }),
-                         "multiple of 16 bytes, got 24 bytes"));
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { run(DType::kFP32, 1, 1028); }),
-                         "numel must be 0..1024"));
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { run(DType::kFP32, 1, -4); }),
-                         "numel must be 0..1024"));
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { run(DType::kFP32, 0, 64); }),
-                         "blocks must be 1..64, got 0"));
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { run(DType::kFP32, 65, 64); }),
-                         "blocks must be 1..64, got 65"));
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>(
-                             [&] { run(DType::kFP32, 1, 64, in.data(), in.data() + 4); }),
-                         "overlap"));
+    plan::Tactic tactic;
+    tactic.blocks = 0;
+    EXPECT_TRUE(contains(ws0.why_not(tactic).value_or("accepted"),
+                         "blocks must be in 1..64 (the workspace's max_blocks), got 0"));
+    tactic.blocks = 65;
+    EXPECT_TRUE(contains(ws0.why_not(tactic).value_or("accepted"),
+                         "blocks must be in 1..64 (the workspace's max_blocks), got 65"));
+    tactic.blocks = 64;
+    EXPECT_EQ(ws0.why_not(tactic), std::nullopt);
     const plan::Program other_rank = plan::encode_program(
         plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2), 1);
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>(
-                             [&] { run(DType::kFP32, 1, 64, nullptr, nullptr, &other_rank); }),
+    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { ws0.add_program(other_rank); }),
                          "program is for rank 1"));
     plan::Program peer_input = program;
     peer_input.steps[0].kind = plan::StepKind::kReduce;
@@ -1117,16 +1121,9 @@ TEST(HostShm, RejectsInvalidCallsSayingWhatWasExpected) {
     peer_input.steps[0].num_srcs = 1;
     peer_input.steps[0].dst = plan::BufRef{plan::Space::kOutput, 0, 0, 0};
     peer_input.steps[0].srcs[0] = plan::BufRef{plan::Space::kInput, 1, 0, 0};
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>(
-                             [&] { run(DType::kFP32, 1, 64, nullptr, nullptr, &peer_input); }),
+    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { ws0.add_program(peer_input); }),
                          "only the executing rank's own tensors are local"));
-
-    const plan::Layout narrow = plan::make_layout(1024, 2, 2);
-    HostShmWorkspace ws_narrow(narrow, 0, 0, 1.0);
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] {
-                           ws_narrow.run(program, DType::kFP32, 1, in.data(), out.data(), 64, 0);
-                         }),
-                         "2-byte elements"));
+    EXPECT_EQ(ws0.add_program(program), 0);
   }
   EXPECT_FALSE(segment_exists(names[0]));
   EXPECT_FALSE(segment_exists(names[1]));
@@ -1140,6 +1137,20 @@ TEST(HostShm, RejectsInvalidCallsSayingWhatWasExpected) {
   EXPECT_TRUE(segments_of(getpid()).empty());
 }
 
+TEST(HostShm, TheFactoryCapsBlocksAndNamesItsTransports) {
+  WorkspaceOptions options;
+  options.max_numel = 1024;
+  options.world = 2;
+  options.elem_bytes = 4;
+  const auto ws = make_workspace(options);
+  EXPECT_STREQ(ws->name(), "host");
+  EXPECT_EQ(ws->device(), -1);
+  EXPECT_EQ(ws->layout().max_blocks, HostShmWorkspace::kMaxBlocks);
+  options.transport = "infiniband";
+  EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { make_workspace(options); }),
+                       "transport must be 'host' or 'cuda', got 'infiniband'"));
+}
+
 TEST(HostShm, OpenPeersRejectsAPeerBuiltWithAnotherLayout) {
   const plan::Layout small = plan::make_layout(1024, 2, 4);
   const plan::Layout large = plan::make_layout(2048, 2, 4);
@@ -1147,8 +1158,8 @@ TEST(HostShm, OpenPeersRejectsAPeerBuiltWithAnotherLayout) {
   {
     HostShmWorkspace ws0(small, 0, 0, 1.0);
     HostShmWorkspace ws1(large, 1, 0, 1.0);
-    names[0] = ws0.name();
-    names[1] = ws1.name();
+    names[0] = ws0.segment_name();
+    names[1] = ws1.segment_name();
     const std::string message = message_of<std::runtime_error>([&] {
       ws0.open_peers({names[0], names[1]});
     });
@@ -1172,18 +1183,18 @@ TEST(HostShm, SegmentNamesAreUniquePrivateAndUnlinked) {
   {
     HostShmWorkspace a(layout, 3, 0, 0.0);
     HostShmWorkspace b(layout, 3, 0, 0.0);
-    first = a.name();
-    EXPECT_TRUE(std::regex_match(a.name(), pattern)) << a.name();
-    EXPECT_TRUE(contains(a.name(), "." + std::to_string(getpid()) + "."));
-    EXPECT_NE(a.name(), b.name());
+    first = a.segment_name();
+    EXPECT_TRUE(std::regex_match(a.segment_name(), pattern)) << a.segment_name();
+    EXPECT_TRUE(contains(a.segment_name(), "." + std::to_string(getpid()) + "."));
+    EXPECT_NE(a.segment_name(), b.segment_name());
     struct stat info {};
-    ASSERT_EQ(stat(("/dev/shm" + a.name()).c_str(), &info), 0);
+    ASSERT_EQ(stat(("/dev/shm" + a.segment_name()).c_str(), &info), 0);
     EXPECT_EQ(info.st_mode & 0777, 0600u);
     EXPECT_EQ(static_cast<uint64_t>(info.st_size), layout.total_bytes);
-    a.unlink_own();
-    a.unlink_own();  // idempotent
-    EXPECT_FALSE(segment_exists(a.name()));
-    EXPECT_TRUE(segment_exists(b.name()));
+    a.retire_token();
+    a.retire_token();  // idempotent
+    EXPECT_FALSE(segment_exists(a.segment_name()));
+    EXPECT_TRUE(segment_exists(b.segment_name()));
   }
   EXPECT_FALSE(segment_exists(first));
   EXPECT_TRUE(segments_of(getpid()).empty());

@@ -456,6 +456,52 @@ TEST(TopologyIslands, DescribeShowsMatrixAndIslands) {
   EXPECT_NE(parse_fixture("dgx_nvlink_8gpu.txt").describe().find("NV18"), std::string::npos);
 }
 
+// ------------------------------------------------------------------ a process group's view
+
+TEST(TopologySubset, RanksSeeTheirOwnGpusLinksInRankOrder) {
+  const Topology host = parse_fixture("two_socket_8gpu.txt");
+  // A group of four ranks on GPUs 6, 1, 7, 0: two per socket, interleaved by rank.
+  const Topology group = host.subset({6, 1, 7, 0});
+  EXPECT_EQ(group.world, 4);
+  EXPECT_EQ(group.link(0, 2), host.link(6, 7));
+  EXPECT_EQ(group.link(1, 3), host.link(1, 0));
+  EXPECT_EQ(group.link(0, 1), LinkClass::kSys);
+  EXPECT_EQ(group.island_of(), (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_EQ(group.table_key(), "islands-2x2");
+  EXPECT_EQ(group.numa_node, (std::vector<int>{1, 0, 1, 0}));
+  EXPECT_NO_THROW(group.validate());
+}
+
+TEST(TopologySubset, NvlinkPairsAreNamedInRankOrder) {
+  const Topology host = parse_fixture("dgx_nvlink_8gpu.txt");
+  const Topology group = host.subset({3, 5});
+  EXPECT_TRUE(group.has_nvlink());
+  EXPECT_EQ(group.nvlink_pairs(), (std::vector<std::pair<int, int>>{{0, 1}}));
+  EXPECT_EQ(group.table_key(), "nvlink");
+  EXPECT_TRUE(parse_fixture("two_socket_8gpu.txt").nvlink_pairs().empty());
+}
+
+TEST(TopologySubset, RanksSharingAGpuAreOneIsland) {
+  // Tests run several processes on one GPU: they must not read as NVLink or as a socket split.
+  const Topology group = parse_fixture("two_socket_8gpu.txt").subset({2, 2, 2});
+  EXPECT_EQ(group.link(0, 1), LinkClass::kPix);
+  EXPECT_EQ(group.link(1, 1), LinkClass::kSelf);
+  EXPECT_EQ(group.table_key(), "flat");
+  EXPECT_FALSE(group.has_nvlink());
+}
+
+TEST(TopologySubset, RejectsGpusOutsideTheHost) {
+  const Topology host = parse_fixture("single_socket_4gpu.txt");
+  EXPECT_THROW(host.subset({}), TopologyError);
+  try {
+    host.subset({0, 4});
+    ADD_FAILURE() << "accepted GPU 4 of a 4-GPU host";
+  } catch (const TopologyError& e) {
+    EXPECT_NE(std::string(e.what()).find("GPU index 4 is outside 0..3"), std::string::npos)
+        << e.what();
+  }
+}
+
 // ------------------------------------------------------------------ fingerprint
 
 TEST(TopologyFingerprint, IsAPureFunctionOfItsInputs) {

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-RTOL = {"bf16": 2.0**-6, "fp16": 2.0**-9, "fp32": 1e-5}
+from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
+
 TABLES = {
     "oneshot/push/staged": "*,*,*,0,*,oneshot,push,1,4,256\n",
     "oneshot/pull/unstaged": "*,*,*,0,*,oneshot,pull,0,8,512\n",
@@ -29,19 +29,8 @@ TABLES = {
 }
 
 
-def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000003 * seed + 7919 * rank + numel)
-    return torch.randn(numel, generator=g).to(dtype)
-
-
 def check(out: torch.Tensor, world: int, numel: int, name: str, seed: int = 0) -> None:
-    ref = torch.zeros(numel, dtype=torch.float64)
-    mag = torch.zeros(numel, dtype=torch.float64)
-    for r in range(world):
-        x = rank_input(r, numel, DTYPES[name], seed).double()
-        ref += x
-        mag += x.abs()
-    bad = int(((out.cpu().double() - ref).abs() > RTOL[name] * mag + 1e-6).sum())
+    bad = count_wrong(out, world, numel, name, seed)
     if bad:
         raise AssertionError(f"{bad} of {numel} {name} elements off the float64 reference")
     bits = out.cpu().contiguous().view(torch.uint8)

@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks, shm_entries
+from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-RTOL = {"bf16": 2.0**-6, "fp16": 2.0**-9, "fp32": 1e-5}
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
 
 
@@ -22,21 +21,8 @@ def one_row(algorithm: str, direction: str, staged: bool, blocks: int = 1) -> st
     return f"*,*,*,0,*,{algorithm},{direction},{int(staged)},{blocks},64\n"
 
 
-def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000003 * seed + 7919 * rank + numel)
-    return torch.randn(numel, generator=g).to(dtype)
-
-
 def check_result(out, world, numel, dtype_name, seed=0):
-    dtype = DTYPES[dtype_name]
-    ref = torch.zeros(numel, dtype=torch.float64)
-    mag = torch.zeros(numel, dtype=torch.float64)
-    for r in range(world):
-        x = rank_input(r, numel, dtype, seed).double()
-        ref += x
-        mag += x.abs()
-    err = (out.double() - ref).abs()
-    bad = int((err > RTOL[dtype_name] * mag + 1e-6).sum())
+    bad = count_wrong(out, world, numel, dtype_name, seed)
     assert bad == 0, f"{bad} of {numel} elements off the float64 reference"
 
 
@@ -120,6 +106,38 @@ def _inplace(rank, world):
 
 def test_in_place_and_out_arguments(clean_shm):
     run_ranks(_inplace, 3)
+
+
+def _bad_out(rank, world):
+    from pcie_allreduce import PcieAllReduce
+
+    errors = {}
+    with PcieAllReduce(None, "cpu", max_numel=4096, table=one_row("oneshot", "push", False)) as ar:
+        buf = torch.cat([rank_input(rank, 4096, torch.float32), torch.zeros(4)])
+        before = buf.clone()
+        x = buf[:4096]
+        cases = {
+            "overlap": buf[4:4100],  # 16 bytes past the input's start: same shape, overlapping
+            "shape": torch.empty(2048, dtype=torch.float32),
+            "dtype": torch.empty(4096, dtype=torch.bfloat16),
+        }
+        for name, out in cases.items():
+            try:
+                ar.all_reduce(x, out=out)
+                errors[name] = "no error"
+            except ValueError as e:
+                errors[name] = str(e)
+        assert torch.equal(buf, before), "a refused call modified its buffers"
+        # Nothing ran on any rank, so the ranks are still in step.
+        check_result(ar.all_reduce(x.clone()), world, 4096, "fp32")
+    return errors
+
+
+def test_out_must_be_a_disjoint_tensor_of_the_same_shape_and_dtype(clean_shm):
+    errors = run_ranks(_bad_out, 2)[0]["value"]
+    assert "overlaps the input without being the same tensor" in errors["overlap"]
+    assert "out must be a contiguous, 16-byte aligned tensor" in errors["shape"]
+    assert "out must be a contiguous, 16-byte aligned tensor" in errors["dtype"]
 
 
 # ---------------------------------------------------------------- declines
@@ -352,6 +370,8 @@ def _opcheck(rank, world):
         torch.library.opcheck(torch.ops.pcie_allreduce.all_reduce.default, (x, ar.handle))
         y = rank_input(rank, 256, torch.float32)
         torch.library.opcheck(torch.ops.pcie_allreduce.all_reduce_.default, (y, ar.handle))
+        z = torch.empty_like(x)
+        torch.library.opcheck(torch.ops.pcie_allreduce.all_reduce_into.default, (x, ar.handle, z))
 
         @torch.compile(fullgraph=True, backend="aot_eager")
         def layer(t):

@@ -14,7 +14,7 @@
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
-#include "transport/cuda_ipc.h"
+#include "transport/kernels/launch.h"
 #include "transport/kernels/primitives.cuh"
 
 namespace pcie_ar::transport::kernels {
@@ -40,7 +40,7 @@ struct Call {
 __device__ __forceinline__ uint4* resolve(const LaunchParams& p, const Call& c,
                                           const plan::BufRef& ref) {
   switch (ref.space) {
-    case plan::Space::kInput:  // the host checked that programs name only their own tensors
+    case plan::Space::kInput:  // check_program(): programs name only their own tensors
       return const_cast<uint4*>(static_cast<const uint4*>(p.inputs[c.rank]));
     case plan::Space::kOutput:
       return static_cast<uint4*>(p.outputs[c.rank]);
@@ -107,29 +107,22 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
 // Records the first failure of the launch where the host can read it after the context dies,
 // then traps. The claim is a device-memory CAS: atomics on mapped host memory are not atomic
 // over PCIe, and only one CTA's record must land.
-__device__ __forceinline__ void fail(const LaunchParams& p, const Call& c, int step_index,
-                                     const plan::Step& step, plan::FailureKind kind, uint32_t seen,
-                                     uint32_t peer_numel, uint32_t peer_signature) {
+__device__ __forceinline__ void fail(const LaunchParams& p, const plan::Diagnostic& d) {
   if (atomicCAS(p.claim, 0u, 1u) == 0u) {
-    volatile plan::Diagnostic* d = p.diag;
-    d->rank = static_cast<uint32_t>(c.rank);
-    d->peer = step.peer;
-    d->step = static_cast<uint32_t>(step_index);
-    d->stage = step.stage;
-    d->block = static_cast<uint32_t>(c.block);
-    d->flag = step.flag;
-    d->flag_owner = step.flag_owner;
-    d->gen_seen = seen;
-    d->gen_expected = c.gen;
-    d->numel = static_cast<uint32_t>(p.numel);
-    d->signature = p.signature;
-    d->peer_numel = peer_numel;
-    d->peer_signature = peer_signature;
+    const auto* words = reinterpret_cast<const uint32_t*>(&d);
+    volatile uint32_t* record = reinterpret_cast<volatile uint32_t*>(p.diag);
+    static_assert(offsetof(plan::Diagnostic, kind) == 0);
+    for (int i = 1; i < static_cast<int>(sizeof(plan::Diagnostic) / 4); ++i) record[i] = words[i];
     __threadfence_system();  // the fields reach host memory before the kind that publishes them
-    d->kind = static_cast<uint32_t>(kind);
+    record[0] = words[0];
     __threadfence_system();
   }
   asm volatile("trap;");
+}
+
+__device__ __forceinline__ plan::CallPosition position(const LaunchParams& p, const Call& c) {
+  return plan::CallPosition{static_cast<uint32_t>(c.rank), static_cast<uint32_t>(c.block), c.gen,
+                            static_cast<uint32_t>(p.numel), p.signature};
 }
 
 // Thread 0 only. Spins until the flag reaches this call's generation, then checks that the
@@ -137,25 +130,27 @@ __device__ __forceinline__ void fail(const LaunchParams& p, const Call& c, int s
 __device__ __forceinline__ void wait_flag(const LaunchParams& p, const Call& c, int step_index,
                                           const plan::Step& step) {
   plan::FlagWord* word = flag_word(p, c, step.flag_owner, step.flag);
-  uint32_t seen = load_acquire_sys(&word->gen);
-  if (!plan::gen_reached(seen, c.gen)) {
+  plan::FlagSeen seen{load_acquire_sys(&word->gen)};
+  if (!plan::gen_reached(seen.gen, c.gen)) {
     const uint64_t start = global_timer_ns();
     uint32_t polls = 0;
     do {
       if (++polls == kPollsPerClockCheck) {
         polls = 0;
         if (p.timeout_ns != 0 && global_timer_ns() - start > p.timeout_ns) {
-          fail(p, c, step_index, step, plan::FailureKind::kTimeout, seen, 0, 0);
+          fail(p, plan::make_diagnostic(plan::FailureKind::kTimeout, position(p, c), step_index,
+                                        step, seen));
         }
       }
-      seen = load_acquire_sys(&word->gen);
-    } while (!plan::gen_reached(seen, c.gen));
+      seen.gen = load_acquire_sys(&word->gen);
+    } while (!plan::gen_reached(seen.gen, c.gen));
   }
   // Ordered after the acquire: the writer stored these before releasing gen.
-  const uint32_t peer_numel = load_relaxed_sys(&word->numel);
-  const uint32_t peer_signature = load_relaxed_sys(&word->signature);
-  if (peer_numel != static_cast<uint32_t>(p.numel) || peer_signature != p.signature) {
-    fail(p, c, step_index, step, plan::FailureKind::kMismatch, seen, peer_numel, peer_signature);
+  seen.numel = load_relaxed_sys(&word->numel);
+  seen.signature = load_relaxed_sys(&word->signature);
+  if (plan::is_mismatch(position(p, c), seen)) {
+    fail(p, plan::make_diagnostic(plan::FailureKind::kMismatch, position(p, c), step_index, step,
+                                  seen));
   }
 }
 
@@ -169,14 +164,8 @@ __device__ __forceinline__ void raise_flag(const LaunchParams& p, const Call& c,
   store_release_sys(&word->gen, c.gen);
 }
 
-// End of the call, own workspace only. Every generation counter of this CTA's residue class
-// takes this generation, so the next call starts from the same value whatever its block count.
-// Every flag of this parity in those blocks takes it too: a flag that this call's schedule or
-// block count left unused would otherwise fall 2^31 generations behind during a long run of
-// other calls and then read as "reached" by the modulo-2^32 compare. This is safe because each
-// flag of ours is raised or awaited by this rank (inspect_program() checks that), so every
-// write this call makes to it has landed, and no peer writes this parity again before it has
-// seen this rank start the next call, which is after this kernel ends.
+// End of the call, own workspace only: the flag refresh of plan/protocol.h, spread over the
+// CTA's threads.
 __device__ __forceinline__ void finish_call(const LaunchParams& p, const Call& c) {
   const int stride = static_cast<int>(gridDim.x);
   const int my_blocks = (p.layout.max_blocks - c.block + stride - 1) / stride;

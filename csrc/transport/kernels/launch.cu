@@ -1,0 +1,70 @@
+// The only translation unit nvcc compiles: the six executor instantiations (dtype × direction),
+// the P2P probe kernel, and the host functions that launch them (kernels/launch.h).
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "transport/kernels/executor.cuh"
+#include "transport/kernels/launch.h"
+
+namespace pcie_ar::transport {
+namespace {
+
+using Kernel = void (*)(LaunchParams);
+
+Kernel kernel_for(plan::DType dtype, plan::Direction direction) {
+  using plan::Direction;
+  const bool push = direction == Direction::kPush;
+  switch (dtype) {
+    case plan::DType::kBF16:
+      return push ? kernels::executor_kernel<__nv_bfloat16, Direction::kPush>
+                  : kernels::executor_kernel<__nv_bfloat16, Direction::kPull>;
+    case plan::DType::kFP16:
+      return push ? kernels::executor_kernel<__half, Direction::kPush>
+                  : kernels::executor_kernel<__half, Direction::kPull>;
+    case plan::DType::kFP32:
+      return push ? kernels::executor_kernel<float, Direction::kPush>
+                  : kernels::executor_kernel<float, Direction::kPull>;
+  }
+  throw std::invalid_argument("unknown dtype code " + std::to_string(static_cast<int>(dtype)));
+}
+
+__global__ void probe_kernel(uint32_t* dst, uint32_t nonce, int src, int dst_rank) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < kProbeWords) dst[i] = probe_word(nonce, src, dst_rank, i);
+}
+
+}  // namespace
+
+void launch_executor(const LaunchParams& p, cudaStream_t stream) {
+  void* args[] = {const_cast<LaunchParams*>(&p)};
+  const cudaError_t err =
+      cudaLaunchKernel(reinterpret_cast<const void*>(kernel_for(p.dtype, p.direction)),
+                       dim3(p.blocks, p.ranks_in_launch), dim3(p.threads), args, 0, stream);
+  if (err != cudaSuccess) {
+    throw std::runtime_error(
+        "launching the all-reduce executor (" + std::string(plan::dtype_name(p.dtype)) + ", " +
+        std::string(plan::direction_name(p.direction)) + ", grid " + std::to_string(p.blocks) +
+        "x" + std::to_string(p.ranks_in_launch) + ", " + std::to_string(p.threads) +
+        " threads) failed (" + cudaGetErrorName(err) + ": " + cudaGetErrorString(err) + ")");
+  }
+}
+
+int executor_ctas_per_sm(plan::DType dtype, plan::Direction direction, int threads) {
+  int per_sm = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, reinterpret_cast<const void*>(kernel_for(dtype, direction)), threads, 0);
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("cudaOccupancyMaxActiveBlocksPerMultiprocessor failed (") +
+                             cudaGetErrorName(err) + ": " + cudaGetErrorString(err) + ")");
+  }
+  return per_sm;
+}
+
+cudaError_t launch_probe(uint32_t* dst, uint32_t nonce, int src, int dst_rank) {
+  probe_kernel<<<1, kProbeWords>>>(dst, nonce, src, dst_rank);
+  return cudaGetLastError();
+}
+
+}  // namespace pcie_ar::transport

@@ -1,0 +1,65 @@
+// The transport interface's shared half (program checks, tactic limits) and the factory: the
+// only place in the tree that asks whether this build has CUDA.
+#include "transport/workspace.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "transport/host_shm.h"
+
+#if defined(PCIE_AR_HAVE_CUDA)
+#include "transport/cuda_ipc.h"
+#endif
+
+namespace pcie_ar::transport {
+
+TransportFailure::TransportFailure(const plan::Diagnostic& diagnostic, std::string message)
+    : std::runtime_error(std::move(message)), diagnostic_(diagnostic) {}
+
+Workspace::Workspace(const plan::Layout& layout, int rank) : layout_(layout), rank_(rank) {}
+
+int Workspace::add_program(const plan::Program& program) {
+  const plan::ProgramFacts facts = plan::check_program(program, layout_, rank_);
+  return install(program, facts);
+}
+
+std::optional<std::string> Workspace::why_not(const plan::Tactic& tactic) const {
+  if (tactic.blocks < 1 || tactic.blocks > layout_.max_blocks) {
+    return "blocks must be in 1.." + std::to_string(layout_.max_blocks) +
+           " (the workspace's max_blocks), got " + std::to_string(tactic.blocks);
+  }
+  return transport_limits(tactic);
+}
+
+std::unique_ptr<Workspace> make_workspace(const WorkspaceOptions& o) {
+  const auto layout = [&](int max_blocks) {
+    return plan::make_layout(o.max_numel, o.world, o.elem_bytes, max_blocks);
+  };
+  if (o.transport == "host") {
+    return std::make_unique<HostShmWorkspace>(
+        layout(std::min(o.max_blocks, HostShmWorkspace::kMaxBlocks)), o.rank, o.initial_gen,
+        o.timeout_s);
+  }
+#if defined(PCIE_AR_HAVE_CUDA)
+  if (o.transport == "cuda") {
+    return std::make_unique<CudaIpcWorkspace>(layout(o.max_blocks), o.rank, o.device, o.initial_gen,
+                                              o.timeout_s);
+  }
+#else
+  if (o.transport == "cuda") {
+    throw std::runtime_error(
+        "the cuda transport was requested but pcie_allreduce was built without CUDA");
+  }
+#endif
+  throw std::invalid_argument("transport must be 'host' or 'cuda', got '" + o.transport + "'");
+}
+
+std::vector<std::string> built_transports() {
+#if defined(PCIE_AR_HAVE_CUDA)
+  return {"host", "cuda"};
+#else
+  return {"host"};
+#endif
+}
+
+}  // namespace pcie_ar::transport

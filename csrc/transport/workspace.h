@@ -1,0 +1,147 @@
+// The transport interface: one rank's workspace (memory laid out by plan::Layout that peers
+// can reach) and the executor that runs checked step lists over it. Every transport
+// implements this class and nothing else; the communicator knows no transport by name.
+//
+//   host_shm   CPU processes over POSIX shared memory (CPU tensors; CI without GPUs)
+//   cuda_ipc   CUDA kernels over cudaMalloc slabs that peers map with CUDA IPC handles
+//
+// A new transport is a new file implementing Workspace plus one line in make_workspace().
+//
+// Lifecycle, collective (every rank does each step; the caller owns the process group):
+//   auto ws = make_workspace(options);     // allocates this rank's memory
+//   tokens = all_gather(ws->local_token())
+//   ws->open_peers(tokens); barrier; ws->retire_token();
+//   id = ws->add_program(program);         // once per schedule, checked here (plan layer)
+//   ws->run(call) ...                      // any number of times
+//   ws->close_peers(); barrier; ws->release();
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/layout.h"
+#include "plan/program_check.h"
+#include "plan/protocol.h"
+#include "plan/step.h"
+#include "plan/tactic.h"
+
+namespace pcie_ar::transport {
+
+// Thrown when an executor fails synchronously (a bounded wait expired, or a peer entered the
+// same generation with a different call). Carries the diagnostic the plan layer defines so
+// callers can name the peer that never arrived. Asynchronous executors (CUDA kernels) record
+// the same diagnostic and report it through Workspace::failure().
+class TransportFailure : public std::runtime_error {
+ public:
+  TransportFailure(const plan::Diagnostic& diagnostic, std::string message);
+  const plan::Diagnostic& diagnostic() const { return diagnostic_; }
+
+ private:
+  plan::Diagnostic diagnostic_;
+};
+
+// One all-reduce. The communicator's admission guarantees what run() assumes and does not
+// check again: `program` came from add_program(); the tactic passed why_not(); dtype fits the
+// layout's elements; 0 < numel <= layout.max_numel and numel * dtype bytes is a multiple of 16;
+// input and output are 16-byte aligned and either the same buffer (in place) or disjoint.
+struct Call {
+  int program = -1;  // id from add_program()
+  plan::DType dtype = plan::DType::kBF16;
+  int blocks = 1;     // slices of every chunk, each with its own flags and generation counter
+  int threads = 256;  // per CTA (GPU transports)
+  const void* input = nullptr;
+  void* output = nullptr;
+  int64_t numel = 0;
+  uint32_t signature = 0;  // plan::call_signature(dtype, tactic): travels with every flag
+  void* stream = nullptr;  // cudaStream_t on GPU transports; unused on the host
+};
+
+class Workspace {
+ public:
+  virtual ~Workspace() = default;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  const plan::Layout& layout() const { return layout_; }
+  int rank() const { return rank_; }
+  // Where the tensors of a call must live: -1 for host memory, else the CUDA device index.
+  virtual int device() const = 0;
+  virtual const char* name() const = 0;  // "host" or "cuda"
+
+  // ---- bootstrap
+  // Bytes a peer needs to reach this rank's memory (a segment name, an IPC handle).
+  virtual std::string local_token() const = 0;
+  // tokens[r] is rank r's local_token(). Maps every peer's memory. Throws naming the peer
+  // whose memory cannot be reached.
+  virtual void open_peers(const std::vector<std::string>& tokens) = 0;
+  // Every rank has opened every peer: drop what let peers find this rank's memory (the host
+  // transport unlinks its segment name, so nothing is left in /dev/shm). Idempotent.
+  virtual void retire_token() noexcept {}
+  // P2P write-and-verify, because drivers report P2P that does not work. Collective:
+  // probe_write() on every rank, a barrier, then probe_read() returns the ranks whose writes
+  // did not arrive intact here. Transports whose peers share host memory have nothing to probe.
+  virtual void probe_write(uint32_t nonce) { (void)nonce; }
+  virtual std::vector<int> probe_read(uint32_t nonce) const {
+    (void)nonce;
+    return {};
+  }
+
+  // ---- programs and tactics
+  // Checks `program` once (plan::check_program against this layout and rank) and installs it;
+  // returns the id a Call names. Throws std::invalid_argument for a program that fails.
+  int add_program(const plan::Program& program);
+  // Why `tactic` cannot run on this workspace (blocks outside 1..layout.max_blocks, or a limit
+  // of the transport such as the GPU's threads per CTA), or nullopt.
+  std::optional<std::string> why_not(const plan::Tactic& tactic) const;
+
+  // ---- the call
+  // Runs (host) or enqueues (GPU) one all-reduce; see Call for what it assumes. Throws
+  // TransportFailure on a synchronous failure; after any failure the workspace refuses every
+  // further call (the ranks are out of step: recreate it on every rank).
+  virtual void run(const Call& call) = 0;
+  // The failure that stopped this workspace, if any (read from mapped memory on the GPU).
+  virtual std::optional<plan::Diagnostic> failure() const = 0;
+
+  // ---- teardown (collective): close_peers() on every rank, a barrier, release().
+  virtual void close_peers() = 0;
+  virtual void release() = 0;  // frees this rank's memory; idempotent
+
+ protected:
+  Workspace(const plan::Layout& layout, int rank);
+  // Installs a program that passed check_program(); returns its id.
+  virtual int install(const plan::Program& program, const plan::ProgramFacts& facts) = 0;
+  // Limits of the transport beyond the layout's; nullopt when the tactic fits.
+  virtual std::optional<std::string> transport_limits(const plan::Tactic& tactic) const {
+    (void)tactic;
+    return std::nullopt;
+  }
+
+ private:
+  plan::Layout layout_;
+  int rank_ = 0;
+};
+
+struct WorkspaceOptions {
+  std::string transport = "host";  // "host" or "cuda"
+  int64_t max_numel = 0;           // the layout's (plan::make_layout)
+  int world = 0;
+  int elem_bytes = 2;
+  int max_blocks = plan::kDefaultMaxBlocks;  // a transport may cap it
+  int rank = 0;
+  int device = -1;           // CUDA device index (cuda)
+  uint32_t initial_gen = 0;  // the first call runs initial_gen + 1 (tests cross the wrap)
+  double timeout_s = 30.0;   // every wait's deadline; 0 waits forever
+};
+
+// The one place that knows which transports this build has. Lays the workspace out
+// (plan::make_layout) with the transport's block cap. Throws std::invalid_argument for an
+// unknown transport or a bad layout, std::runtime_error for one this build lacks.
+std::unique_ptr<Workspace> make_workspace(const WorkspaceOptions& options);
+// "host", plus "cuda" when built with the CUDA toolkit.
+std::vector<std::string> built_transports();
+
+}  // namespace pcie_ar::transport
