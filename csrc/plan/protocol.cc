@@ -17,22 +17,22 @@ std::string describe_failure(const Diagnostic& d, double timeout_s) {
                   "arrived (dead, hung, or it took a different path for this call)",
                   d.rank, after, d.step, d.stage, d.block, d.peer, d.flag, d.flag_owner, d.gen_seen,
                   d.gen_expected, d.peer);
-  } else if (kind == FailureKind::kMismatch && d.gen_seen != d.gen_expected) {
-    std::snprintf(buf, sizeof(buf),
-                  "rank %u and rank %u disagree at step %u (stage %u, block %u): rank %u runs "
-                  "generation %u with numel %u signature 0x%08x, but rank %u is already at "
-                  "generation %u with numel %u signature 0x%08x: the ranks fell out of step "
-                  "(an earlier call failed or took a different path on one of them)",
-                  d.rank, d.peer, d.step, d.stage, d.block, d.rank, d.gen_expected, d.numel,
-                  d.signature, d.peer, d.gen_seen, d.peer_numel, d.peer_signature);
   } else if (kind == FailureKind::kMismatch) {
+    // A peer already past this generation means an earlier call went wrong on some rank.
+    const bool out_of_step = d.gen_seen != d.gen_expected;
+    char peer_at[64] = "";
+    if (out_of_step)
+      std::snprintf(peer_at, sizeof(peer_at), "(already at generation %u) ", d.gen_seen);
     std::snprintf(buf, sizeof(buf),
                   "rank %u and rank %u disagree on the call of generation %u (step %u, stage %u, "
-                  "block %u): rank %u has numel %u signature 0x%08x, rank %u has numel %u "
-                  "signature 0x%08x; every rank must all-reduce the same shape and dtype in the "
-                  "same order",
+                  "block %u): rank %u has numel %u signature 0x%08x, rank %u %shas numel %u "
+                  "signature 0x%08x; %s",
                   d.rank, d.peer, d.gen_expected, d.step, d.stage, d.block, d.rank, d.numel,
-                  d.signature, d.peer, d.peer_numel, d.peer_signature);
+                  d.signature, d.peer, peer_at, d.peer_numel, d.peer_signature,
+                  out_of_step ? "the ranks fell out of step (an earlier call failed or took a "
+                                "different path on one of them)"
+                              : "every rank must all-reduce the same shape and dtype in the same "
+                                "order");
   } else {
     std::snprintf(buf, sizeof(buf), "no failure recorded");
   }

@@ -17,6 +17,12 @@ BufRef slot_of(int owner, int slot) {
   return BufRef{Space::kSlot, static_cast<uint8_t>(owner), static_cast<uint8_t>(slot), 0};
 }
 
+// The phases of the algorithms, each with its own flag per writer: inputs delivered to the
+// ranks that reduce them; island partials published and swapped across the socket link;
+// reduced chunks published and gathered.
+enum Phase : int { kPhaseDeliver = 0, kPhasePartial = 1, kPhaseGather = 2 };
+static_assert(kPhaseGather < kFlagsPerWriter);
+
 // Flag `phase` that `writer` raises; one writer per (flag array, index) by construction.
 int flag_id(int writer, int phase) { return writer * kFlagsPerWriter + phase; }
 
@@ -219,7 +225,7 @@ std::vector<Group> partner_pairs(const Islands& isl) {
 Builder::Phase deliver_inputs(Builder& b, const std::vector<Group>& group_of,
                               std::function<int(int, int)> chunk) {
   Builder::Phase in;
-  in.phase = 0;
+  in.phase = kPhaseDeliver;
   in.chunk = std::move(chunk);
   in.push_src = input_of;
   in.landing = slot_from_rank;
@@ -254,7 +260,7 @@ void reduce_inputs(Builder& b, const std::vector<Group>& group_of, const Builder
 Builder::Phase swap_partials(Builder& b, const Islands& isl, std::function<int(int)> chunk_of) {
   const int partial = slot_partial(b.world());
   Builder::Phase cross;
-  cross.phase = 1;
+  cross.phase = kPhasePartial;
   cross.chunk = [chunk_of = std::move(chunk_of)](int sender, int) { return chunk_of(sender); };
   cross.push_src = [partial](int r) { return slot_of(r, partial); };
   cross.landing = slot_from_rank;
@@ -264,12 +270,12 @@ Builder::Phase swap_partials(Builder& b, const Islands& isl, std::function<int(i
 }
 
 // The last phase of the two-shot algorithms: each rank's reduced chunk (`chunk_of(r)`, in its
-// output, and for pull also in its gather slot under flag `phase`) reaches its group.
-void gather_results(Builder& b, const std::vector<Group>& group_of, int phase,
+// output, and for pull also in its gather slot under flag kPhaseGather) reaches its group.
+void gather_results(Builder& b, const std::vector<Group>& group_of,
                     const std::function<int(int)>& chunk_of) {
   const int gather = slot_gather(b.world());
   Builder::Phase ag;
-  ag.phase = phase;
+  ag.phase = kPhaseGather;
   ag.chunk = [&](int owner, int) { return chunk_of(owner); };
   ag.push_src = output_of;
   ag.landing = [gather](int) { return gather; };
@@ -279,14 +285,14 @@ void gather_results(Builder& b, const std::vector<Group>& group_of, int phase,
 }
 
 // A reduced chunk lands in the output; pull ranks also publish it for their peers to read.
-void keep_reduced(Builder& b, int r, int chunk, const std::vector<BufRef>& srcs, int phase) {
+void keep_reduced(Builder& b, int r, int chunk, const std::vector<BufRef>& srcs) {
   if (b.push()) {
     b.reduce(r, chunk, output_of(r), srcs);
     return;
   }
   const BufRef gather = slot_of(r, slot_gather(b.world()));
   b.reduce(r, chunk, gather, srcs);
-  b.signal(r, r, phase);
+  b.signal(r, r, kPhaseGather);
   b.copy(r, chunk, output_of(r), gather);
 }
 
@@ -304,13 +310,12 @@ Schedule build_twoshot(Builder b) {
   const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
   const auto in = deliver_inputs(b, everyone, [](int, int owner) { return owner; });
   for (int r = 0; r < b.world(); ++r) {
-    keep_reduced(b, r, r,
-                 in_rank_order(r, everyone[r].members, input_of(r),
-                               [&](int q) { return b.received(in, r, q); }),
-                 1);
+    keep_reduced(b, r, r, in_rank_order(r, everyone[r].members, input_of(r), [&](int q) {
+                   return b.received(in, r, q);
+                 }));
   }
   b.next_stage();
-  gather_results(b, everyone, 1, [](int owner) { return owner; });
+  gather_results(b, everyone, [](int owner) { return owner; });
   return b.finish();
 }
 
@@ -322,7 +327,7 @@ Schedule build_island_oneshot(Builder b, const std::vector<int>& island_of) {
   reduce_inputs(
       b, isl.group_of, in, [](int) { return 0; }, [partial](int r) { return slot_of(r, partial); });
   for (int r = 0; r < b.world(); ++r) {
-    if (!b.push()) b.signal(r, r, 1);
+    if (!b.push()) b.signal(r, r, kPhasePartial);
   }
   b.next_stage();
   const auto cross = swap_partials(b, isl, [](int) { return 0; });
@@ -343,17 +348,17 @@ Schedule build_island_twoshot(Builder b, const std::vector<int>& island_of) {
   const auto in = deliver_inputs(b, isl.group_of, [&](int, int owner) { return index[owner]; });
   reduce_inputs(b, isl.group_of, in, chunk_of, [partial](int r) { return slot_of(r, partial); });
   for (int r = 0; r < b.world(); ++r) {
-    if (!b.push()) b.signal(r, r, 1);
+    if (!b.push()) b.signal(r, r, kPhasePartial);
   }
   b.next_stage();
   const auto cross = swap_partials(b, isl, chunk_of);
   for (int r = 0; r < b.world(); ++r) {
     keep_reduced(
         b, r, index[r],
-        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])), 2);
+        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])));
   }
   b.next_stage();
-  gather_results(b, isl.group_of, 2, chunk_of);
+  gather_results(b, isl.group_of, chunk_of);
   return b.finish();
 }
 

@@ -590,7 +590,20 @@ Topology Topology::from_islands(const std::vector<std::vector<int>>& islands) {
   return t;
 }
 
-Topology Topology::from_nvidia_smi(std::string_view text) {
+namespace {
+
+// The matrix as read, before it becomes a Topology.
+struct Matrix {
+  explicit Matrix(int gpus)
+      : n(gpus), cells(static_cast<size_t>(gpus) * gpus), numa(gpus, -1), row_line(gpus, 0) {}
+  int n;
+  std::vector<Cell> cells;
+  std::vector<int> numa;
+  std::vector<int> row_line;  // 1-based line of each GPU's row
+};
+
+// Lines with ANSI codes and CR removed.
+std::vector<std::string> split_lines(std::string_view text) {
   std::vector<std::string> lines;
   for (size_t start = 0; start <= text.size();) {
     size_t end = text.find('\n', start);
@@ -598,6 +611,89 @@ Topology Topology::from_nvidia_smi(std::string_view text) {
     lines.push_back(strip_control(text.substr(start, end - start)));
     start = end + 1;
   }
+  return lines;
+}
+
+// The link cells and NUMA node of GPU `gpu`'s row (tokens[0] is its label).
+void read_gpu_row(const Header& header, const std::vector<std::string_view>& tokens, int gpu,
+                  int line_no, Matrix& m) {
+  const int columns = header.link_columns();
+  const std::string row_name = "GPU" + std::to_string(gpu);
+  size_t found = 0;
+  while (1 + found < tokens.size() && !looks_like_affinity(tokens[1 + found])) ++found;
+  if (found != static_cast<size_t>(columns)) {
+    fail_line(line_no, "expected " + std::to_string(columns) + " link cells for " + row_name +
+                           ", found " + std::to_string(found));
+  }
+  for (int j = 0; j < columns; ++j) {
+    const std::string_view token = tokens[1 + j];
+    const auto cell = parse_cell(token);
+    const std::string where = " in column " + header.column_name(j) + " of " + row_name;
+    if (!cell) {
+      fail_line(line_no, "unknown link class " + quote_excerpt(token) + where + " (expected " +
+                             std::string(kExpectedClasses) + ")");
+    }
+    if (j == gpu && cell->cls != LinkClass::kSelf) {
+      fail_line(line_no, "expected X on the diagonal" + where + ", found " + quote_excerpt(token));
+    }
+    if (j != gpu && cell->cls == LinkClass::kSelf) {
+      fail_line(line_no, "expected a link class" + where + ", found X (X marks only " + row_name +
+                             "'s own column)");
+    }
+    if (j < m.n) m.cells[static_cast<size_t>(gpu) * m.n + j] = *cell;
+  }
+  const size_t rest = tokens.size() - 1 - columns;
+  if (header.numa_column >= 0 && rest == header.trailing.size()) {
+    const auto id = parse_small_uint(tokens[1 + columns + header.numa_column], 99999);
+    m.numa[gpu] = id ? *id : -1;
+  }
+  m.row_line[gpu] = line_no;
+}
+
+// The GPU a row is for, or nullopt for a row of another device named in the header; anything
+// else, or GPUs out of order, fails naming the line.
+std::optional<int> row_gpu(const Header& header, std::string_view line, std::string_view label,
+                           int line_no, int next_gpu) {
+  const auto gpu = parse_gpu_label(label);
+  if (!gpu) {
+    if (std::find(header.devices.begin(), header.devices.end(), label) != header.devices.end()) {
+      return std::nullopt;  // a NIC (or other device) row: nothing in it concerns GPU pairs
+    }
+    fail_line(line_no, "expected a row for GPU" + std::to_string(next_gpu) +
+                           " or for a device named in the header, found " +
+                           quote_excerpt(trim(line)));
+  }
+  if (*gpu >= header.gpus) {
+    fail_line(line_no, "found a row for GPU" + std::to_string(*gpu) +
+                           ", but the header names only " + std::to_string(header.gpus) + " GPUs");
+  }
+  if (*gpu != next_gpu) {
+    fail_line(line_no, "expected the row for GPU" + std::to_string(next_gpu) +
+                           ", found a row for GPU" + std::to_string(*gpu));
+  }
+  return gpu;
+}
+
+void check_symmetric(const Matrix& m) {
+  for (int b = 0; b < m.n; ++b) {
+    for (int a = 0; a < b; ++a) {
+      const Cell ba = m.cells[static_cast<size_t>(b) * m.n + a];
+      const Cell ab = m.cells[static_cast<size_t>(a) * m.n + b];
+      if (ab != ba) {
+        fail_line(m.row_line[b], "expected a symmetric matrix, found GPU" + std::to_string(b) +
+                                     "->GPU" + std::to_string(a) + " = " + cell_text(ba) +
+                                     " but GPU" + std::to_string(a) + "->GPU" + std::to_string(b) +
+                                     " = " + cell_text(ab) + " (line " +
+                                     std::to_string(m.row_line[a]) + ")");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Topology Topology::from_nvidia_smi(std::string_view text) {
+  const std::vector<std::string> lines = split_lines(text);
   size_t i = 0;
   while (i < lines.size() && trim(lines[i]).empty()) ++i;
   if (i == lines.size()) {
@@ -605,12 +701,7 @@ Topology Topology::from_nvidia_smi(std::string_view text) {
         "nvidia-smi topo: the text is empty; expected the output of `nvidia-smi topo -m`");
   }
   const Header header = parse_header(lines[i], static_cast<int>(i) + 1);
-  const int n = header.gpus;
-  const int columns = header.link_columns();
-
-  std::vector<Cell> cells(static_cast<size_t>(n) * n);
-  std::vector<int> numa(n, -1);
-  std::vector<int> row_line(n, 0);
+  Matrix m(header.gpus);
   int next_gpu = 0;
   int end_line = static_cast<int>(lines.size()) + 1;  // where the matrix stops
   for (++i; i < lines.size(); ++i) {
@@ -620,85 +711,25 @@ Topology Topology::from_nvidia_smi(std::string_view text) {
       end_line = line_no;
       break;
     }
-    const std::string_view label = tokens.front();
-    const auto gpu = parse_gpu_label(label);
-    if (!gpu) {
-      if (std::find(header.devices.begin(), header.devices.end(), label) != header.devices.end()) {
-        continue;  // a NIC (or other device) row: nothing in it concerns GPU pairs
-      }
-      fail_line(line_no, "expected a row for GPU" + std::to_string(next_gpu) +
-                             " or for a device named in the header, found " +
-                             quote_excerpt(trim(lines[i])));
-    }
-    if (*gpu >= n) {
-      fail_line(line_no, "found a row for GPU" + std::to_string(*gpu) +
-                             ", but the header names only " + std::to_string(n) + " GPUs");
-    }
-    if (*gpu != next_gpu) {
-      fail_line(line_no, "expected the row for GPU" + std::to_string(next_gpu) +
-                             ", found a row for GPU" + std::to_string(*gpu));
-    }
-    const std::string row_name = "GPU" + std::to_string(*gpu);
-    size_t found = 0;
-    while (1 + found < tokens.size() && !looks_like_affinity(tokens[1 + found])) ++found;
-    if (found != static_cast<size_t>(columns)) {
-      fail_line(line_no, "expected " + std::to_string(columns) + " link cells for " + row_name +
-                             ", found " + std::to_string(found));
-    }
-    for (int j = 0; j < columns; ++j) {
-      const std::string_view token = tokens[1 + j];
-      const auto cell = parse_cell(token);
-      const std::string where = " in column " + header.column_name(j) + " of " + row_name;
-      if (!cell) {
-        fail_line(line_no, "unknown link class " + quote_excerpt(token) + where + " (expected " +
-                               std::string(kExpectedClasses) + ")");
-      }
-      if (j == *gpu && cell->cls != LinkClass::kSelf) {
-        fail_line(line_no,
-                  "expected X on the diagonal" + where + ", found " + quote_excerpt(token));
-      }
-      if (j != *gpu && cell->cls == LinkClass::kSelf) {
-        fail_line(line_no, "expected a link class" + where + ", found X (X marks only " + row_name +
-                               "'s own column)");
-      }
-      if (j < n) cells[static_cast<size_t>(*gpu) * n + j] = *cell;
-    }
-    const size_t rest = tokens.size() - 1 - columns;
-    if (header.numa_column >= 0 && rest == header.trailing.size()) {
-      const auto id = parse_small_uint(tokens[1 + columns + header.numa_column], 99999);
-      numa[*gpu] = id ? *id : -1;
-    }
-    row_line[*gpu] = line_no;
+    const auto gpu = row_gpu(header, lines[i], tokens.front(), line_no, next_gpu);
+    if (!gpu) continue;
+    read_gpu_row(header, tokens, *gpu, line_no, m);
     ++next_gpu;
   }
-  if (next_gpu < n) {
+  if (next_gpu < m.n) {
     fail_line(end_line, "expected the row for GPU" + std::to_string(next_gpu) +
-                            ", found the end of the matrix (the header names " + std::to_string(n) +
-                            " GPUs)");
+                            ", found the end of the matrix (the header names " +
+                            std::to_string(m.n) + " GPUs)");
   }
-  for (int b = 0; b < n; ++b) {
-    for (int a = 0; a < b; ++a) {
-      const Cell ba = cells[static_cast<size_t>(b) * n + a];
-      const Cell ab = cells[static_cast<size_t>(a) * n + b];
-      if (ab != ba) {
-        fail_line(row_line[b], "expected a symmetric matrix, found GPU" + std::to_string(b) +
-                                   "->GPU" + std::to_string(a) + " = " + cell_text(ba) +
-                                   " but GPU" + std::to_string(a) + "->GPU" + std::to_string(b) +
-                                   " = " + cell_text(ab) + " (line " + std::to_string(row_line[a]) +
-                                   ")");
-      }
-    }
-  }
+  check_symmetric(m);
 
   Topology t;
-  t.world = n;
-  t.links.resize(cells.size());
-  t.nvlinks.resize(cells.size());
-  for (size_t k = 0; k < cells.size(); ++k) {
-    t.links[k] = cells[k].cls;
-    t.nvlinks[k] = cells[k].nv;
+  t.world = m.n;
+  for (const Cell& cell : m.cells) {
+    t.links.push_back(cell.cls);
+    t.nvlinks.push_back(cell.nv);
   }
-  t.numa_node = std::move(numa);
+  t.numa_node = std::move(m.numa);
   t.source = "nvidia-smi";
   t.validate();
   return t;

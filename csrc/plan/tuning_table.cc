@@ -10,7 +10,7 @@ namespace pcie_ar::plan {
 namespace {
 
 constexpr std::string_view kSeedTable =
-    R"csv(# Seed table compiled into pcie_allreduce; `pcie-allreduce tune` writes a measured one per host.
+    R"csv(# Seed table compiled into pcie_allreduce; PCIE_ALLREDUCE_TABLE names a file that replaces it.
 topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads
 # Host shared-memory transport (CPU tensors): one thread per rank walks one slice. Past a few
 # tens of KiB, reducing half the message each (twoshot) beats reducing all of it (2-core VM).
@@ -67,7 +67,55 @@ class RowParser {
     return value;
   }
 
+  // One rule from its cells (at least the first six; a tactic needs all ten).
+  TableRow row(const std::vector<std::string_view>& cells) const {
+    if (cells.size() < 6) fail_columns(cells.size());
+    TableRow row;
+    row.line = line_;
+    row.topology = std::string(cells[0]);
+    if (row.topology.empty()) fail("column topology is empty (use '*' for any)");
+    row.world = cells[1] == "*" ? -1 : static_cast<int>(integer(cells[1], "world", 1));
+    if (cells[2] != "*") {
+      row.dtype = parse_dtype(cells[2]);
+      if (!row.dtype) {
+        fail("column dtype must be bf16, fp16, fp32 or '*', got '" + std::string(cells[2]) + "'");
+      }
+    }
+    row.min_bytes = integer(cells[3], "min_bytes", 0);
+    row.max_bytes = cells[4] == "*" ? -1 : integer(cells[4], "max_bytes", 1);
+    if (row.max_bytes >= 0 && row.max_bytes <= row.min_bytes) {
+      fail("max_bytes (" + std::to_string(row.max_bytes) + ") must exceed min_bytes (" +
+           std::to_string(row.min_bytes) + ")");
+    }
+    row.algorithm_text = std::string(cells[5]);
+    row.fallback = row.algorithm_text == "fallback";
+    if (!row.fallback) read_tactic(cells, row);
+    for (size_t i = 10; i < cells.size(); ++i) row.extra.emplace_back(cells[i]);
+    return row;
+  }
+
  private:
+  [[noreturn]] void fail_columns(size_t found) const {
+    fail("expected 10 columns (" + std::string(kHeader) + "), found " + std::to_string(found));
+  }
+
+  void read_tactic(const std::vector<std::string_view>& cells, TableRow& row) const {
+    if (cells.size() < 10) fail_columns(cells.size());
+    row.algorithm = parse_algorithm(cells[5]);  // unknown: kept, skipped when matched
+    if (row.algorithm) row.tactic.algorithm = *row.algorithm;
+    const auto direction = parse_direction(cells[6]);
+    if (!direction) {
+      fail("column direction must be push or pull, got '" + std::string(cells[6]) + "'");
+    }
+    row.tactic.direction = *direction;
+    if (cells[7] != "0" && cells[7] != "1") {
+      fail("column staged must be 0 or 1, got '" + std::string(cells[7]) + "'");
+    }
+    row.tactic.staged = cells[7] == "1";
+    row.tactic.blocks = static_cast<int>(integer(cells[8], "blocks", 1));
+    row.tactic.threads = static_cast<int>(integer(cells[9], "threads", 1));
+  }
+
   std::string_view source_;
   int line_;
 };
@@ -104,50 +152,7 @@ TuningTable TuningTable::parse(std::string_view text, std::string_view source) {
       }
       continue;
     }
-    if (cells.size() < 6) {
-      p.fail("expected 10 columns (" + std::string(kHeader) + "), found " +
-             std::to_string(cells.size()));
-    }
-    TableRow row;
-    row.line = line_no;
-    row.topology = std::string(cells[0]);
-    if (row.topology.empty()) p.fail("column topology is empty (use '*' for any)");
-    row.world = cells[1] == "*" ? -1 : static_cast<int>(p.integer(cells[1], "world", 1));
-    if (cells[2] != "*") {
-      row.dtype = parse_dtype(cells[2]);
-      if (!row.dtype) {
-        p.fail("column dtype must be bf16, fp16, fp32 or '*', got '" + std::string(cells[2]) + "'");
-      }
-    }
-    row.min_bytes = p.integer(cells[3], "min_bytes", 0);
-    row.max_bytes = cells[4] == "*" ? -1 : p.integer(cells[4], "max_bytes", 1);
-    if (row.max_bytes >= 0 && row.max_bytes <= row.min_bytes) {
-      p.fail("max_bytes (" + std::to_string(row.max_bytes) + ") must exceed min_bytes (" +
-             std::to_string(row.min_bytes) + ")");
-    }
-    row.algorithm_text = std::string(cells[5]);
-    if (row.algorithm_text == "fallback") {
-      row.fallback = true;
-    } else {
-      if (cells.size() < 10) {
-        p.fail("expected 10 columns (" + std::string(kHeader) + "), found " +
-               std::to_string(cells.size()));
-      }
-      row.algorithm = parse_algorithm(cells[5]);  // unknown: kept, skipped when matched
-      if (row.algorithm) row.tactic.algorithm = *row.algorithm;
-      const auto direction = parse_direction(cells[6]);
-      if (!direction)
-        p.fail("column direction must be push or pull, got '" + std::string(cells[6]) + "'");
-      row.tactic.direction = *direction;
-      if (cells[7] != "0" && cells[7] != "1") {
-        p.fail("column staged must be 0 or 1, got '" + std::string(cells[7]) + "'");
-      }
-      row.tactic.staged = cells[7] == "1";
-      row.tactic.blocks = static_cast<int>(p.integer(cells[8], "blocks", 1));
-      row.tactic.threads = static_cast<int>(p.integer(cells[9], "threads", 1));
-    }
-    for (size_t i = 10; i < cells.size(); ++i) row.extra.emplace_back(cells[i]);
-    table.rows_.push_back(std::move(row));
+    table.rows_.push_back(p.row(cells));
   }
   return table;
 }

@@ -82,7 +82,6 @@ class GroupTopology:
     island_of: List[int] = field(default_factory=list)
     decline: Optional[str] = None  # "nvlink" / "no_p2p" when the backend must not run
     detail: str = ""
-    fingerprint: str = ""
 
 
 def probe_cuda_group(
