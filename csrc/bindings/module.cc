@@ -4,7 +4,6 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <exception>
 #include <string>
 
@@ -15,7 +14,6 @@
 #include "plan/topology.h"
 #include "plan/tuning_table.h"
 #include "plan/verify.h"
-#include "transport/workspace.h"
 
 namespace py = pybind11;
 
@@ -312,10 +310,6 @@ void bind_communicator(py::module_& m) {
   m.def("register_communicator", &comm::register_communicator);
   m.def("unregister_communicator", &comm::unregister_communicator);
   py::register_exception_translator(&translate_failure);
-  const auto transports = transport::built_transports();
-  m.attr("TRANSPORTS") = transports;
-  m.attr("BUILT_WITH_CUDA") =
-      std::find(transports.begin(), transports.end(), "cuda") != transports.end();
 }
 
 }  // namespace

@@ -239,11 +239,13 @@ namespace {
 
 // How long a wait may poll: the deadline of every wait, or none.
 struct WaitBudget {
+  double seconds;  // as configured, for messages; 0 waits forever
   bool bounded;
   std::chrono::steady_clock::duration timeout;
 
   explicit WaitBudget(double timeout_s)
-      : bounded(timeout_s > 0.0 && timeout_s < kMaxFiniteTimeoutS),
+      : seconds(timeout_s),
+        bounded(timeout_s > 0.0 && timeout_s < kMaxFiniteTimeoutS),
         timeout(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
             std::chrono::duration<double>(bounded ? timeout_s : 0.0))) {}
 };
@@ -276,15 +278,14 @@ class BlockPass {
  public:
   BlockPass(const std::vector<uint8_t*>& bases, const plan::Layout& layout,
             const plan::Program& program, const Call& call, int rank, int block,
-            const WaitBudget& budget, double timeout_s)
+            const WaitBudget& budget)
       : bases_(bases),
         layout_(layout),
         program_(program),
         call_(call),
         rank_(rank),
         block_(block),
-        budget_(budget),
-        timeout_s_(timeout_s) {
+        budget_(budget) {
     // The generation lives in the workspace and only this executor advances it.
     const uint32_t gen =
         std::atomic_ref<uint32_t>(counter(block)).load(std::memory_order_relaxed) + 1;
@@ -391,7 +392,7 @@ class BlockPass {
   }
 
   [[noreturn]] void fail(const plan::Diagnostic& d) const {
-    throw TransportFailure(d, plan::describe_failure(d, timeout_s_));
+    throw TransportFailure(d, plan::describe_failure(d, budget_.seconds));
   }
 
   const std::vector<uint8_t*>& bases_;
@@ -401,7 +402,6 @@ class BlockPass {
   int rank_;
   int block_;
   const WaitBudget& budget_;
-  double timeout_s_;
   plan::CallPosition at_{};
   int parity_ = 0;
   int64_t num_vecs_ = 0;
@@ -421,8 +421,7 @@ void HostShmWorkspace::run(const Call& call) {
   const WaitBudget budget(timeout_s_);
   try {
     for (int block = 0; block < call.blocks; ++block) {
-      const BlockPass pass(bases_, layout(), programs_[call.program], call, rank(), block, budget,
-                           timeout_s_);
+      const BlockPass pass(bases_, layout(), programs_[call.program], call, rank(), block, budget);
       pass.run_steps(reduce);
       pass.finish_call();
     }

@@ -54,12 +54,4 @@ std::unique_ptr<Workspace> make_workspace(const WorkspaceOptions& o) {
   throw std::invalid_argument("transport must be 'host' or 'cuda', got '" + o.transport + "'");
 }
 
-std::vector<std::string> built_transports() {
-#if defined(PCIE_AR_HAVE_CUDA)
-  return {"host", "cuda"};
-#else
-  return {"host"};
-#endif
-}
-
 }  // namespace pcie_ar::transport

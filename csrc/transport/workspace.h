@@ -141,7 +141,5 @@ struct WorkspaceOptions {
 // (plan::make_layout) with the transport's block cap. Throws std::invalid_argument for an
 // unknown transport or a bad layout, std::runtime_error for one this build lacks.
 std::unique_ptr<Workspace> make_workspace(const WorkspaceOptions& options);
-// "host", plus "cuda" when built with the CUDA toolkit.
-std::vector<std::string> built_transports();
 
 }  // namespace pcie_ar::transport
