@@ -300,8 +300,9 @@ void Communicator::reduce_into(const at::Tensor& inp, at::Tensor& out) {
   Decline decline = supports(inp);
   if (decline == Decline::kNone && !out.is_same(inp)) check_out(inp, out);
   Decision* decision = nullptr;
+  plan::DType dtype{};
   if (decline == Decline::kNone) {
-    const auto dtype = *to_plan_dtype(inp.scalar_type());
+    dtype = *to_plan_dtype(inp.scalar_type());
     decision = &decide(dtype, inp.numel() * plan::dtype_bytes(dtype));
     if (decision->fallback) decline = Decline::kTable;
   }
@@ -311,13 +312,14 @@ void Communicator::reduce_into(const at::Tensor& inp, at::Tensor& out) {
     run_fallback(inp, out);
     return;
   }
-  run_kernels(*decision, inp, out);
+  run_kernels(*decision, dtype, inp, out);
 }
 
-void Communicator::run_kernels(const Decision& decision, const at::Tensor& inp, at::Tensor& out) {
+void Communicator::run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
+                               at::Tensor& out) {
   transport::Call call;
   call.program = decision.program->id;
-  call.dtype = *to_plan_dtype(inp.scalar_type());
+  call.dtype = dtype;
   call.blocks = decision.tactic.blocks;
   call.threads = decision.tactic.threads;
   call.input = inp.data_ptr();

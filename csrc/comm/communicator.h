@@ -152,7 +152,8 @@ class Communicator {
   InstalledProgram& program_for(const plan::Tactic& tactic);
   void check_out(const at::Tensor& inp, const at::Tensor& out) const;
   void reduce_into(const at::Tensor& inp, at::Tensor& out);
-  void run_kernels(const Decision& decision, const at::Tensor& inp, at::Tensor& out);
+  void run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
+                   at::Tensor& out);
   std::optional<std::string> why_not_runnable(const plan::TableRow& row) const;
   void run_fallback(const at::Tensor& inp, at::Tensor& out);
   void note_decline(Decline decline, const at::Tensor& t);

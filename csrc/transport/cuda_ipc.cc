@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "plan/program_check.h"
+
 namespace pcie_ar::transport {
 namespace {
 
@@ -333,7 +335,7 @@ void CudaIpcWorkspace::release() {
   if (!errors.empty()) throw std::runtime_error("release(): cudaFree failed:" + errors);
 }
 
-int CudaIpcWorkspace::install(const plan::Program& program, const plan::ProgramFacts&) {
+int CudaIpcWorkspace::install(const plan::Program& program) {
   if (slab_ == nullptr) throw std::logic_error("add_program(): the workspace was freed");
   ProgramSet set;
   set.direction = program.direction;

@@ -88,7 +88,6 @@ class CudaIpcWorkspace final : public Workspace {
   ~CudaIpcWorkspace() override;  // best-effort close_peers() + release(); never throws
 
   int device() const override { return device_; }
-  const char* name() const override { return "cuda"; }
 
   std::string local_token() const override;  // cudaIpcMemHandle_t bytes of our slab
   // tokens[r] is rank r's local_token(); ours is ignored. Maps every peer's slab.
@@ -107,7 +106,7 @@ class CudaIpcWorkspace final : public Workspace {
   void release() override;      // frees the slab and the uploaded programs; idempotent
 
  private:
-  int install(const plan::Program& program, const plan::ProgramFacts& facts) override;
+  int install(const plan::Program& program) override;
   std::optional<std::string> transport_limits(const plan::Tactic& tactic) const override;
 
   WorkspaceView view_;

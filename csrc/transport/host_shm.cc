@@ -227,7 +227,7 @@ void HostShmWorkspace::release() {
   retire_token();
 }
 
-int HostShmWorkspace::install(const plan::Program& program, const plan::ProgramFacts&) {
+int HostShmWorkspace::install(const plan::Program& program) {
   programs_.push_back(program);
   return static_cast<int>(programs_.size()) - 1;
 }

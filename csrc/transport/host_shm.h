@@ -42,7 +42,6 @@ class HostShmWorkspace final : public Workspace {
   ~HostShmWorkspace() override;  // unmaps everything; unlinks our segment if still linked
 
   int device() const override { return -1; }
-  const char* name() const override { return "host"; }
   const std::string& segment_name() const { return segment_name_; }
 
   std::string local_token() const override { return segment_name_; }
@@ -64,7 +63,7 @@ class HostShmWorkspace final : public Workspace {
   void release() override;      // unmaps and unlinks our own segment
 
  private:
-  int install(const plan::Program& program, const plan::ProgramFacts& facts) override;
+  int install(const plan::Program& program) override;
   void create_segment(uint32_t initial_gen);
   void size_segment(int fd) const;
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "plan/program_check.h"
 #include "transport/host_shm.h"
 
 #if defined(PCIE_AR_HAVE_CUDA)
@@ -19,8 +20,8 @@ TransportFailure::TransportFailure(const plan::Diagnostic& diagnostic, std::stri
 Workspace::Workspace(const plan::Layout& layout, int rank) : layout_(layout), rank_(rank) {}
 
 int Workspace::add_program(const plan::Program& program) {
-  const plan::ProgramFacts facts = plan::check_program(program, layout_, rank_);
-  return install(program, facts);
+  plan::check_program(program, layout_, rank_);
+  return install(program);
 }
 
 std::optional<std::string> Workspace::why_not(const plan::Tactic& tactic) const {

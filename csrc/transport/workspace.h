@@ -24,7 +24,6 @@
 #include <vector>
 
 #include "plan/layout.h"
-#include "plan/program_check.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
 #include "plan/tactic.h"
@@ -70,7 +69,6 @@ class Workspace {
   int rank() const { return rank_; }
   // Where the tensors of a call must live: -1 for host memory, else the CUDA device index.
   virtual int device() const = 0;
-  virtual const char* name() const = 0;  // "host" or "cuda"
 
   // ---- bootstrap
   // Bytes a peer needs to reach this rank's memory (a segment name, an IPC handle).
@@ -113,7 +111,7 @@ class Workspace {
  protected:
   Workspace(const plan::Layout& layout, int rank);
   // Installs a program that passed check_program(); returns its id.
-  virtual int install(const plan::Program& program, const plan::ProgramFacts& facts) = 0;
+  virtual int install(const plan::Program& program) = 0;
   // Limits of the transport beyond the layout's; nullopt when the tactic fits.
   virtual std::optional<std::string> transport_limits(const plan::Tactic& tactic) const {
     (void)tactic;
