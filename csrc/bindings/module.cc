@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <exception>
+#include <iterator>
 #include <string>
 
 #include "comm/communicator.h"
@@ -20,17 +21,23 @@ namespace py = pybind11;
 namespace pcie_ar::bindings {
 namespace {
 
+// `parse(name)`, or std::invalid_argument saying what `what` accepts.
+template <typename Parse>
+auto parse_or_throw(Parse parse, const std::string& name, const char* what) {
+  if (auto value = parse(name)) return *value;
+  throw std::invalid_argument(std::string(what) + ", got '" + name + "'");
+}
+
 plan::DType dtype_from_name(const std::string& name) {
-  if (auto d = plan::parse_dtype(name)) return *d;
-  throw std::invalid_argument("dtype must be bf16, fp16 or fp32, got '" + name + "'");
+  return parse_or_throw(plan::parse_dtype, name, "dtype must be bf16, fp16 or fp32");
 }
 
 py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) {
   py::dict out;
   const auto kind = static_cast<plan::FailureKind>(d.kind);
-  out["kind"] = kind == plan::FailureKind::kTimeout    ? "timeout"
-                : kind == plan::FailureKind::kMismatch ? "mismatch"
-                                                       : "none";
+  const char* kinds[] = {"none", "timeout", "mismatch", "ll_timeout", "ll_mismatch"};
+  out["kind"] = d.kind < std::size(kinds) ? kinds[d.kind] : "unknown";
+  (void)kind;
   out["rank"] = d.rank;
   out["peer"] = d.peer;
   out["step"] = d.step;
@@ -75,10 +82,11 @@ py::dict step_dict(const plan::Step& s) {
   if (s.kind == plan::StepKind::kReduce) {
     auto buf = [](const plan::BufRef& b) {
       py::dict d;
-      const char* spaces[] = {"input", "output", "slot"};
+      const char* spaces[] = {"input", "output", "slot", "ll"};
       d["space"] = spaces[static_cast<int>(b.space)];
       d["owner"] = b.owner;
-      if (b.space == plan::Space::kSlot) d["slot"] = b.slot;
+      if (b.space == plan::Space::kSlot || b.space == plan::Space::kLL) d["slot"] = b.slot;
+      if (b.space == plan::Space::kLL) d["writer"] = b.writer;
       return d;
     };
     out["chunk"] = s.chunk;
@@ -94,6 +102,21 @@ py::dict step_dict(const plan::Step& s) {
   return out;
 }
 
+py::dict cost_dict(const plan::Cost& c) {
+  py::dict out;
+  out["system_fences"] = c.system_fences;
+  out["peer_polls"] = c.peer_polls;
+  out["local_waits"] = c.local_waits;
+  out["data_polls"] = c.data_polls;
+  out["fabric_hops"] = c.fabric_hops;
+  out["cross_island"] = c.cross_island;
+  return out;
+}
+
+plan::Protocol protocol_from_name(const std::string& name) {
+  return parse_or_throw(plan::parse_protocol, name, "protocol must be flag or ll");
+}
+
 py::dict verification_dict(const plan::Verification& v) {
   py::dict out;
   out["ok"] = v.ok;
@@ -105,10 +128,12 @@ py::dict verification_dict(const plan::Verification& v) {
   out["cross_island_elements"] = v.cross_island_elements();
   out["cross_island_by_direction"] = std::vector<double>{v.cross_island[0], v.cross_island[1]};
   out["sent_to"] = v.sent_to;
+  out["cost"] = cost_dict(v.cost);
   return out;
 }
 
-void bind_plan(py::module_& m) {
+// Schedules: build, verify, cost, inspect.
+void bind_schedules(py::module_& m) {
   py::class_<plan::Schedule>(m, "Schedule")
       .def_property_readonly(
           "algorithm",
@@ -117,6 +142,12 @@ void bind_plan(py::module_& m) {
           "direction",
           [](const plan::Schedule& s) { return std::string(plan::direction_name(s.direction)); })
       .def_readonly("staged", &plan::Schedule::staged)
+      .def_property_readonly(
+          "protocol",
+          [](const plan::Schedule& s) { return std::string(plan::protocol_name(s.protocol)); })
+      .def(
+          "cost", [](const plan::Schedule& s) { return cost_dict(plan::verify(s).cost); },
+          "What the worst rank pays per call and CTA, counted from the step lists.")
       .def_readonly("world", &plan::Schedule::world)
       .def_readonly("num_chunks", &plan::Schedule::num_chunks)
       .def_readonly("num_stages", &plan::Schedule::num_stages)
@@ -132,6 +163,7 @@ void bind_plan(py::module_& m) {
         out["algorithm"] = std::string(plan::algorithm_name(s.algorithm));
         out["direction"] = std::string(plan::direction_name(s.direction));
         out["staged"] = s.staged;
+        out["protocol"] = std::string(plan::protocol_name(s.protocol));
         out["world"] = s.world;
         out["num_chunks"] = s.num_chunks;
         out["num_stages"] = s.num_stages;
@@ -149,7 +181,7 @@ void bind_plan(py::module_& m) {
   m.def(
       "build_schedule",
       [](const std::string& algorithm, int world, const std::vector<int>& island_of,
-         const std::string& direction, bool staged) {
+         const std::string& direction, bool staged, const std::string& protocol) {
         const auto a = plan::parse_algorithm(algorithm);
         if (!a) {
           throw std::invalid_argument(
@@ -159,22 +191,37 @@ void bind_plan(py::module_& m) {
         const auto d = plan::parse_direction(direction);
         if (!d)
           throw std::invalid_argument("direction must be push or pull, got '" + direction + "'");
-        return plan::build_schedule(*a, *d, staged, world, island_of);
+        return plan::build_schedule(*a, *d, staged, world, island_of, protocol_from_name(protocol));
       },
       py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction"),
-      py::arg("staged"));
-  m.def("why_unsupported",
-        [](const std::string& algorithm, int world,
-           const std::vector<int>& island_of) -> std::optional<std::string> {
-          const auto a = plan::parse_algorithm(algorithm);
-          if (!a) return "unknown algorithm '" + algorithm + "'";
-          return plan::why_unsupported(*a, world, island_of);
-        });
+      py::arg("staged"), py::arg("protocol") = "flag");
+  m.def(
+      "why_unsupported",
+      [](const std::string& algorithm, int world, const std::vector<int>& island_of,
+         const std::string& direction, bool staged,
+         const std::string& protocol) -> std::optional<std::string> {
+        plan::Tactic t;
+        const auto a = plan::parse_algorithm(algorithm);
+        if (!a) return "unknown algorithm '" + algorithm + "'";
+        const auto d = plan::parse_direction(direction);
+        if (!d) return "unknown direction '" + direction + "'";
+        t.algorithm = *a;
+        t.direction = *d;
+        t.staged = staged;
+        t.protocol = protocol_from_name(protocol);
+        return plan::why_unsupported(t, world, island_of);
+      },
+      py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction") = "push",
+      py::arg("staged") = false, py::arg("protocol") = "flag");
   m.def("algorithms", [] {
     std::vector<std::string> names;
     for (auto a : plan::kAllAlgorithms) names.emplace_back(plan::algorithm_name(a));
     return names;
   });
+}
+
+// The workspace layout, topologies and tuning tables, for the CLI and the tests.
+void bind_layout_topology_tables(py::module_& m) {
   m.def(
       "layout",
       [](int64_t max_numel, int world, int elem_bytes, int max_blocks) {
@@ -184,6 +231,7 @@ void bind_plan(py::module_& m) {
         out["control_bytes"] = l.control_bytes;
         out["data_offset"] = l.data_offset;
         out["slot_bytes"] = l.slot_bytes;
+        out["ll_capacity_bytes"] = l.ll_capacity_bytes;
         out["num_slots"] = l.num_slots;
         out["num_flags"] = l.num_flags;
         out["max_blocks"] = l.max_blocks;
@@ -317,6 +365,7 @@ void bind_communicator(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pcie_allreduce native module: the communicator and the plan layer";
-  pcie_ar::bindings::bind_plan(m);
+  pcie_ar::bindings::bind_schedules(m);
+  pcie_ar::bindings::bind_layout_topology_tables(m);
   pcie_ar::bindings::bind_communicator(m);
 }

@@ -186,21 +186,28 @@ std::string Communicator::chosen_tactic(const at::Tensor& t) {
   return plan::tactic_label(decide(dtype, t.numel() * plan::dtype_bytes(dtype)).tactic);
 }
 
-std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& row) const {
+std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& row,
+                                                          int64_t bytes) const {
   const plan::Tactic& t = row.tactic;
-  if (auto why = plan::why_unsupported(t.algorithm, options_.world, options_.island_of)) {
-    return why;
+  if (auto why = plan::why_unsupported(t, options_.world, options_.island_of)) return why;
+  // The layout is agreed by every rank (handshake), so this depends only on the call's size.
+  const int64_t ll_capacity = workspace_->layout().ll_capacity_bytes;
+  if (t.protocol == plan::Protocol::kLL && bytes > ll_capacity) {
+    return "a " + std::to_string(bytes) + "-byte message exceeds the LL slots (" +
+           std::to_string(ll_capacity) + " bytes)";
   }
   return workspace_->why_not(t);
 }
 
 Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& tactic) {
-  const auto key = std::make_tuple(static_cast<int>(tactic.algorithm),
-                                   static_cast<int>(tactic.direction), tactic.staged ? 1 : 0);
+  const auto key =
+      std::make_tuple(static_cast<int>(tactic.algorithm), static_cast<int>(tactic.direction),
+                      tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol));
   auto it = programs_.find(key);
   if (it != programs_.end()) return *it->second;
-  const plan::Schedule schedule = plan::build_schedule(
-      tactic.algorithm, tactic.direction, tactic.staged, options_.world, options_.island_of);
+  const plan::Schedule schedule =
+      plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, options_.world,
+                           options_.island_of, tactic.protocol);
   const plan::Verification v = plan::verify(schedule);
   if (!v.ok) {  // the builders are proven in CI; refuse rather than run something unproven
     throw std::logic_error("schedule " + plan::tactic_label(tactic) +
@@ -216,9 +223,9 @@ Communicator::Decision& Communicator::decide(plan::DType dtype, int64_t bytes) {
   const uint64_t key = decision_key(dtype, bytes);
   auto it = decisions_.find(key);
   if (it != decisions_.end()) return it->second;
-  const plan::TableChoice choice =
-      table_.choose(options_.topology_key, options_.world, dtype, bytes,
-                    [this](const plan::TableRow& row) { return why_not_runnable(row); });
+  const plan::TableChoice choice = table_.choose(
+      options_.topology_key, options_.world, dtype, bytes,
+      [this](const plan::TableRow& row, int64_t b) { return why_not_runnable(row, b); });
   for (const auto& [line, why] : choice.skipped) {
     log(1, table_.source() + " line " + std::to_string(line) + " skipped: " + why);
   }

@@ -139,7 +139,7 @@ class Communicator {
   void raise_if_failed();
 
  private:
-  struct InstalledProgram;  // one (algorithm, direction, staged) installed in the workspace
+  struct InstalledProgram;  // one (algorithm, direction, staged, protocol) in the workspace
   struct Decision {
     bool fallback = true;
     plan::Tactic tactic;
@@ -154,7 +154,7 @@ class Communicator {
   void reduce_into(const at::Tensor& inp, at::Tensor& out);
   void run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
                    at::Tensor& out);
-  std::optional<std::string> why_not_runnable(const plan::TableRow& row) const;
+  std::optional<std::string> why_not_runnable(const plan::TableRow& row, int64_t bytes) const;
   void run_fallback(const at::Tensor& inp, at::Tensor& out);
   void note_decline(Decline decline, const at::Tensor& t);
   [[noreturn]] void fail(const plan::Diagnostic& diagnostic);
@@ -163,7 +163,7 @@ class Communicator {
   Options options_;
   plan::TuningTable table_;
   std::unique_ptr<transport::Workspace> workspace_;
-  std::map<std::tuple<int, int, int>, std::unique_ptr<InstalledProgram>> programs_;
+  std::map<std::tuple<int, int, int, int>, std::unique_ptr<InstalledProgram>> programs_;
   std::unordered_map<uint64_t, Decision> decisions_;
   std::map<std::string, int64_t> calls_;
   std::array<int64_t, 16> declines_{};

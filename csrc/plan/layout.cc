@@ -1,5 +1,6 @@
 #include "plan/layout.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -42,12 +43,16 @@ Layout make_layout(int64_t max_numel, int world, int elem_bytes, int max_blocks)
   l.num_slots = num_slots_for(world);
   l.num_flags = num_flags_for(world);
   l.gen_offset = 0;
-  l.flags_offset = align_up(static_cast<uint64_t>(max_blocks) * sizeof(uint32_t));
+  l.flags_offset = align_up(static_cast<uint64_t>(max_blocks) * sizeof(uint64_t));
   l.flag_block_stride = align_up(static_cast<uint64_t>(l.num_flags) * sizeof(FlagWord));
   l.flag_parity_stride = l.flag_block_stride * static_cast<uint64_t>(max_blocks);
-  l.control_bytes = l.flags_offset + 2 * l.flag_parity_stride;
-  l.data_offset = align_up(l.control_bytes);
   l.slot_bytes = align_up(static_cast<uint64_t>(max_numel) * elem_bytes);
+  l.ll_capacity_bytes = std::min<int64_t>(max_numel * elem_bytes, kMaxLLPayloadBytes);
+  l.ll_offset = align_up(l.flags_offset + 2 * l.flag_parity_stride);
+  l.ll_slot_bytes = align_up(static_cast<uint64_t>(l.ll_capacity_bytes) * kLLExpansion);
+  l.ll_parity_stride = l.ll_slot_bytes * static_cast<uint64_t>(l.num_slots);
+  l.control_bytes = l.ll_offset + 2 * l.ll_parity_stride;
+  l.data_offset = align_up(l.control_bytes);
   l.data_parity_stride = l.slot_bytes * static_cast<uint64_t>(l.num_slots);
   l.total_bytes = l.data_offset + 2 * l.data_parity_stride;
   return l;
@@ -56,6 +61,8 @@ Layout make_layout(int64_t max_numel, int world, int elem_bytes, int max_blocks)
 void check_layout(const Layout& layout) {
   if (layout.world < 2 || layout.world > kMaxWorld || layout.max_blocks < 1 ||
       layout.total_bytes == 0 || layout.control_bytes > layout.data_offset ||
+      layout.ll_offset + 2 * layout.ll_parity_stride > layout.control_bytes ||
+      layout.ll_slot_bytes < static_cast<uint64_t>(layout.ll_capacity_bytes) * kLLExpansion ||
       layout.num_slots < num_slots_for(layout.world) ||
       layout.num_flags < num_flags_for(layout.world)) {
     throw std::invalid_argument(
@@ -65,16 +72,25 @@ void check_layout(const Layout& layout) {
   }
 }
 
-void initialize_control(void* control, const Layout& layout, uint32_t initial_gen) {
+void initialize_control(void* control, const Layout& layout, uint64_t initial_gen) {
   auto* bytes = static_cast<unsigned char*>(control);
   std::memset(bytes, 0, layout.control_bytes);
   for (int b = 0; b < layout.max_blocks; ++b) {
     std::memcpy(bytes + layout.gen_counter_offset(b), &initial_gen, sizeof(initial_gen));
     for (int parity = 0; parity < 2; ++parity) {
       for (int f = 0; f < layout.num_flags; ++f) {
-        FlagWord word{initial_gen, 0, 0, 0xFFFFFFFFu};
+        FlagWord word{initial_gen, 0, 0};
         std::memcpy(bytes + layout.flag_offset(parity, b, f), &word, sizeof(word));
       }
+    }
+  }
+  // A parity-p LL slot is only ever read at generations of parity p: a tag of the other parity
+  // never reads as arrived.
+  for (int parity = 0; parity < 2; ++parity) {
+    const uint64_t stale = ll_word(0, static_cast<uint32_t>(parity ^ 1));
+    unsigned char* area = bytes + layout.ll_slot_offset(parity, 0);
+    for (uint64_t at = 0; at < layout.ll_parity_stride; at += sizeof(stale)) {
+      std::memcpy(area + at, &stale, sizeof(stale));
     }
   }
 }
@@ -88,6 +104,9 @@ uint64_t layout_hash(const Layout& layout) {
                              static_cast<uint64_t>(layout.num_slots),
                              static_cast<uint64_t>(layout.num_flags),
                              layout.flags_offset,
+                             layout.ll_offset,
+                             layout.ll_slot_bytes,
+                             static_cast<uint64_t>(layout.ll_capacity_bytes),
                              layout.data_offset,
                              layout.slot_bytes,
                              layout.total_bytes};

@@ -2,9 +2,11 @@
 // Every rank computes the same layout from the same (max_numel, world, dtype, max_blocks), and
 // the construction handshake checks that they agree, so peers can address each other's slabs.
 //
-//   [generation counters: uint32 per block]          128-byte aligned
+//   [generation counters: uint64 per block]          128-byte aligned
 //   [flags: FlagWord[2 parities][max_blocks][num_flags]]
+//   [LL:    ll_slot_bytes[2 parities][num_slots]]    LL words: 8 payload bytes per 16
 //   [data:  slot_bytes[2 parities][num_slots]]       each slot holds a whole message
+// Counters, flags and LL slots are the control area: initialisation writes all of it.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +22,10 @@ inline constexpr int kVectorBytes = 16;  // every access is one 16-byte vector
 inline constexpr int kAlignBytes = 128;
 inline constexpr int kDefaultMaxBlocks = 64;
 inline constexpr int kFlagsPerWriter = 4;  // signals one rank sends into one flag array per call
-
+// The largest message an LL slot holds (it takes twice this in the workspace). LL pays only for
+// small messages; the tuner decides where it stops paying, below this.
+inline constexpr int64_t kMaxLLPayloadBytes = 256 * 1024;
+inline constexpr int kLLExpansion = 2;  // an LL slot stores 8 payload bytes per 16
 // Slot roles. Slot s < world holds rank s's contribution; the rest have one job each.
 PCIE_AR_HD int slot_from_rank(int rank) { return rank; }
 PCIE_AR_HD int slot_staged_input(int world) { return world; }  // pull: own input, readable
@@ -40,19 +45,27 @@ struct Layout {
   uint64_t flags_offset = 0;
   uint64_t flag_parity_stride = 0;
   uint64_t flag_block_stride = 0;
+  uint64_t ll_offset = 0;
+  uint64_t ll_slot_bytes = 0;  // kLLExpansion * ll_capacity_bytes
+  uint64_t ll_parity_stride = 0;
+  int64_t ll_capacity_bytes = 0;  // the largest message an LL tactic can carry
   uint64_t data_offset = 0;
   uint64_t slot_bytes = 0;
   uint64_t data_parity_stride = 0;
-  uint64_t control_bytes = 0;  // gen counters + flags: what initialisation writes
+  uint64_t control_bytes = 0;  // gen counters + flags + LL slots: what initialisation writes
   uint64_t total_bytes = 0;
 
   PCIE_AR_HD uint64_t gen_counter_offset(int block) const {
-    return gen_offset + static_cast<uint64_t>(block) * sizeof(uint32_t);
+    return gen_offset + static_cast<uint64_t>(block) * sizeof(uint64_t);
   }
   PCIE_AR_HD uint64_t flag_offset(int parity, int block, int flag) const {
     return flags_offset + static_cast<uint64_t>(parity) * flag_parity_stride +
            static_cast<uint64_t>(block) * flag_block_stride +
            static_cast<uint64_t>(flag) * sizeof(FlagWord);
+  }
+  PCIE_AR_HD uint64_t ll_slot_offset(int parity, int slot) const {
+    return ll_offset + static_cast<uint64_t>(parity) * ll_parity_stride +
+           static_cast<uint64_t>(slot) * ll_slot_bytes;
   }
   PCIE_AR_HD uint64_t slot_offset(int parity, int slot) const {
     return data_offset + static_cast<uint64_t>(parity) * data_parity_stride +
@@ -71,8 +84,9 @@ void check_layout(const Layout& layout);
 
 // Writes the control area of a fresh workspace: every generation counter and every flag set
 // to `initial_gen`, so the first call expects initial_gen + 1 (tests start near 2^32 to cross
-// the wrap). `control` points at control_bytes bytes.
-void initialize_control(void* control, const Layout& layout, uint32_t initial_gen);
+// the wrap of the LL tags' 32 bits), and every LL word tagged stale (plan/protocol.h).
+// `control` points at control_bytes bytes.
+void initialize_control(void* control, const Layout& layout, uint64_t initial_gen);
 
 // Stable text for the cross-rank handshake and the tests.
 uint64_t layout_hash(const Layout& layout);

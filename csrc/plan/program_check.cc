@@ -60,11 +60,34 @@ class RefChecker {
         if (ref.owner != rank_)
           (is_dst ? facts_.stores_peer_slots : facts_.loads_peer_slots) = true;
         return;
+      case Space::kLL:
+        check_ll(at, ref, is_dst);
+        return;
     }
     throw std::invalid_argument(at + "unknown buffer space " + str(static_cast<int>(ref.space)));
   }
 
  private:
+  void check_ll(const std::string& at, const BufRef& ref, bool is_dst) const {
+    if (ref.owner >= layout_.world || ref.slot >= layout_.num_slots ||
+        ref.writer >= layout_.world) {
+      throw std::invalid_argument(at + "LL slot " + str(ref.slot) + " of rank " + str(ref.owner) +
+                                  " written by rank " + str(ref.writer) +
+                                  " is outside the layout (" + str(layout_.num_slots) +
+                                  " slots, world " + str(layout_.world) + ")");
+    }
+    if (is_dst && ref.writer != rank_) {
+      throw std::invalid_argument(at + "an LL destination names rank " + str(ref.writer) +
+                                  " as its writer, but rank " + str(rank_) + " writes it");
+    }
+    if (!is_dst && ref.owner != rank_) {
+      throw std::invalid_argument(at + "reads rank " + str(ref.owner) +
+                                  "'s LL slot; an LL reader polls only its own memory");
+    }
+    facts_.uses_ll = true;
+    if (is_dst && ref.owner != rank_) facts_.stores_peer_slots = true;
+  }
+
   const Layout& layout_;
   int rank_;
   ProgramFacts& facts_;
@@ -119,6 +142,11 @@ ProgramFacts check_program(const Program& program, const Layout& layout, int ran
       default:
         throw std::invalid_argument(at + "unknown step kind " + str(static_cast<int>(step.kind)));
     }
+  }
+  if (program.direction == Direction::kPull && facts.uses_ll) {
+    throw std::invalid_argument("rank " + str(rank) +
+                                "'s program is a pull program with LL slots; the ll protocol is "
+                                "push-only");
   }
   if (program.direction == Direction::kPush && facts.loads_peer_slots) {
     throw std::invalid_argument("rank " + str(rank) +

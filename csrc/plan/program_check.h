@@ -15,6 +15,7 @@ namespace pcie_ar::plan {
 struct ProgramFacts {
   bool loads_peer_slots = false;   // some kReduce reads a peer's slot (pull programs only)
   bool stores_peer_slots = false;  // some kReduce writes a peer's slot (push programs)
+  bool uses_ll = false;            // some kReduce reads or writes an LL slot
 };
 
 // Checks `program` as rank `rank`'s program on a workspace of `layout`. Throws
@@ -22,10 +23,13 @@ struct ProgramFacts {
 //   - the layout is one make_layout() produces; the program is for `rank` of layout.world;
 //   - 1..kMaxSteps steps, at least one chunk, a known direction;
 //   - kReduce: chunk < num_chunks, 1..kMaxSources operands, the destination is not the input,
-//     inputs/outputs are `rank`'s own, slots lie inside the layout;
+//     inputs/outputs are `rank`'s own, slots lie inside the layout; an LL operand is `rank`'s
+//     own LL slot (readers poll only their own memory), an LL destination names `rank` as its
+//     writer;
 //   - kSignal/kWait: peer, flag owner and flag inside the layout, and the flag lives with
-//     `rank` or with the step's peer (the end-of-call flag refresh relies on it);
-//   - a push program never reads a peer's slot (push kernels read only local memory).
+//     `rank` or with the step's peer;
+//   - a push program never reads a peer's slot (push kernels read only local memory), and a
+//     pull program has no LL operand (LL is push-only).
 ProgramFacts check_program(const Program& program, const Layout& layout, int rank);
 
 }  // namespace pcie_ar::plan

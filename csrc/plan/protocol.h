@@ -1,7 +1,20 @@
-// The flag protocol both transports speak. Flags are 32-bit generations that only grow and are
-// compared modulo 2^32, so they never need a reset (CUDA-graph replay is safe) and survive the
-// wrap. Each flag has exactly one writer per generation; data slots and flags are double
-// buffered by generation parity, so a fast rank never overwrites what a slow peer still reads.
+// The protocols both transports speak.
+//
+// Flag protocol. Generations are 64-bit counters that only grow, one per block and rank; at 2^64
+// they never wrap, so a flag nobody touched for a long time simply reads as "not reached", no
+// flag ever needs a reset or a refresh, and CUDA-graph replay is safe. Each flag has exactly one
+// writer per generation; data slots and flags are double buffered by generation parity, so a
+// fast rank never overwrites what a slow peer still reads.
+//
+// LL (flag-in-data) protocol. Every 8-byte word a writer stores into an LL slot is {4 bytes of
+// payload, 32-bit tag}; the tag is ll_tag(gen, numel, signature), so it names this generation
+// AND this call. A 16-byte vector is stored as {d0, tag, d1, tag}: each 8-byte half validates
+// itself, so a write torn at 8 bytes (PCIe) is harmless. The reader polls its own memory until
+// both tags of a vector match, uses the payload, and then writes the tags back as ll_stale(tag):
+// the opposite generation parity, which no generation that reads this parity-buffered slot can
+// ever match. That reset is what makes a 32-bit tag safe forever: without it, a word that a
+// large call once wrote and no later call touched would read as valid again when the low 32 bits
+// of the generation (or the call's hash) came round, and silently hand stale data to a reader.
 #pragma once
 
 #include <cstdint>
@@ -12,27 +25,61 @@
 
 namespace pcie_ar::plan {
 
-// One flag. The writer stores numel and signature, then release-stores gen; the reader
-// acquire-loads gen and then checks that the peer entered this generation with the same call.
+// One flag, 16 bytes: the generation and the call identity travel in one store and are read by
+// one load. The writer releases it after its data; the reader acquires it and checks that the
+// peer entered this generation with the same call.
 struct alignas(16) FlagWord {
-  uint32_t gen;
+  uint64_t gen;
   uint32_t numel;
   uint32_t signature;
-  uint32_t writer;  // rank that wrote it, for diagnostics
 };
 static_assert(sizeof(FlagWord) == 16);
 
-// True when `seen` is at or past `expected`, modulo 2^32.
-PCIE_AR_HD bool gen_reached(uint32_t seen, uint32_t expected) {
-  return static_cast<int32_t>(seen - expected) >= 0;
+// True when `seen` is at or past `expected`.
+PCIE_AR_HD bool gen_reached(uint64_t seen, uint64_t expected) { return seen >= expected; }
+
+PCIE_AR_HD int gen_parity(uint64_t gen) { return static_cast<int>(gen & 1u); }
+
+// The tag of every LL word of a call: the low 32 bits of the generation with a 31-bit hash of
+// the call folded in above the parity bit, so bit 0 is always the generation's parity. A peer
+// that entered this generation with a different call writes a different tag (the reader reports
+// a mismatch instead of reducing garbage).
+PCIE_AR_HD uint32_t ll_tag(uint64_t gen, uint32_t numel, uint32_t signature) {
+  uint32_t h = numel * 0x9E3779B1u ^ signature;
+  h ^= h >> 15;
+  h *= 0x2C1B3C6Du;
+  h ^= h >> 13;
+  return static_cast<uint32_t>(gen) ^ (h << 1);
 }
 
-PCIE_AR_HD int gen_parity(uint32_t gen) { return static_cast<int>(gen & 1u); }
+// What a consumed LL word's tag becomes: the other parity, never valid in this word's slot.
+PCIE_AR_HD uint32_t ll_stale(uint32_t tag) { return tag ^ 1u; }
 
-enum class FailureKind : uint32_t { kNone = 0, kTimeout = 1, kMismatch = 2 };
+// One LL word, as the host stores it with a single 64-bit atomic: payload low, tag high.
+PCIE_AR_HD uint64_t ll_word(uint32_t payload, uint32_t tag) {
+  return static_cast<uint64_t>(payload) | (static_cast<uint64_t>(tag) << 32);
+}
+PCIE_AR_HD uint32_t ll_word_tag(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
+PCIE_AR_HD uint32_t ll_word_payload(uint64_t word) { return static_cast<uint32_t>(word); }
+
+// A tag of this slot's parity that is not the expected one: a peer wrote this generation's slot
+// for a different call (or from a different generation: the ranks fell out of step).
+PCIE_AR_HD bool ll_foreign(uint32_t seen, uint32_t expected) {
+  return seen != expected && ((seen ^ expected) & 1u) == 0;
+}
+
+enum class FailureKind : uint32_t {
+  kNone = 0,
+  kTimeout = 1,     // a flag never reached this generation
+  kMismatch = 2,    // a flag reached it, but for a different call (or a later generation)
+  kLLTimeout = 3,   // an LL vector never arrived
+  kLLMismatch = 4,  // an LL vector arrived tagged for a different call or generation
+};
 
 // What an executor records before it fails, where the host can read it (mapped host memory on
 // the GPU). All fields are plain words so a kernel can write them without a format.
+// LL failures: flag is the LL slot, flag_owner this rank, gen_seen the tag seen and
+// peer_signature the tag expected (peer_numel is 0: an LL word carries no call identity).
 struct alignas(16) Diagnostic {
   uint32_t kind;  // FailureKind
   uint32_t rank;
@@ -42,13 +89,12 @@ struct alignas(16) Diagnostic {
   uint32_t block;
   uint32_t flag;
   uint32_t flag_owner;
-  uint32_t gen_seen;
-  uint32_t gen_expected;
+  uint64_t gen_seen;
+  uint64_t gen_expected;
   uint32_t numel;           // this rank's call
   uint32_t signature;       // this rank's call
   uint32_t peer_numel;      // what the peer's flag carried
   uint32_t peer_signature;  // what the peer's flag carried
-  uint32_t reserved[2];
 };
 static_assert(sizeof(Diagnostic) == 64);
 
@@ -57,14 +103,14 @@ static_assert(sizeof(Diagnostic) == 64);
 struct CallPosition {
   uint32_t rank;
   uint32_t block;
-  uint32_t gen;        // the generation this call runs
+  uint64_t gen;        // the generation this call runs
   uint32_t numel;      // this rank's call
   uint32_t signature;  // this rank's call (call_signature)
 };
 
 // What a wait saw in the flag it was polling.
 struct FlagSeen {
-  uint32_t gen;
+  uint64_t gen;
   uint32_t numel = 0;      // mismatch only: what the peer's flag carried
   uint32_t signature = 0;  // mismatch only
 };
@@ -97,16 +143,22 @@ PCIE_AR_HD bool is_mismatch(const CallPosition& at, const FlagSeen& seen) {
   return seen.numel != at.numel || seen.signature != at.signature || seen.gen != at.gen;
 }
 
-// Flag refresh, the end of every call (both executors): every generation counter of the
-// finishing block's residue class (blocks b, b + blocks, b + 2*blocks, ... < max_blocks) takes
-// this call's generation, so the next call starts from the same value whatever its block
-// count; and every OWN flag of this parity in those blocks takes it too. A flag that this
-// call's schedule or block count left unused would otherwise fall 2^31 generations behind
-// during a long run of other calls and then read as "reached" by the modulo-2^32 compare.
-// Safe because each flag of ours is raised or awaited by this rank (check_program() requires
-// a flag to live with the step's rank or its peer), so every write this call makes to it has
-// landed, and no peer writes this parity again before it has seen this rank start its next
-// call.
+// The LL record: the step's LL operand `src` never arrived (`seen` is its tag) or arrived
+// tagged for another call.
+PCIE_AR_HD Diagnostic make_ll_diagnostic(FailureKind kind, const CallPosition& at, int step_index,
+                                         const Step& step, const BufRef& src, uint32_t seen,
+                                         uint32_t expected) {
+  Diagnostic d = make_diagnostic(kind, at, step_index, step, FlagSeen{seen, 0, expected});
+  d.peer = src.writer;
+  d.flag = src.slot;
+  d.flag_owner = src.owner;
+  return d;
+}
+
+// End of every call (both executors): every generation counter of the finishing block's residue
+// class (blocks b, b + blocks, b + 2*blocks, ... < max_blocks) takes this call's generation, so
+// the next call starts from the same value whatever its block count, and every block of a call
+// uses the same parity. Flags need nothing: a 64-bit generation never comes round again.
 
 // One sentence for an error message: who failed, where, waiting for whom, what was seen and
 // what was expected, e.g. "rank 0 timed out after 30 s at step 4 (stage 1, block 0) waiting for

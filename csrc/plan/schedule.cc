@@ -16,6 +16,10 @@ BufRef output_of(int rank) { return BufRef{Space::kOutput, static_cast<uint8_t>(
 BufRef slot_of(int owner, int slot) {
   return BufRef{Space::kSlot, static_cast<uint8_t>(owner), static_cast<uint8_t>(slot), 0};
 }
+BufRef ll_of(int owner, int slot, int writer) {
+  return BufRef{Space::kLL, static_cast<uint8_t>(owner), static_cast<uint8_t>(slot),
+                static_cast<uint8_t>(writer)};
+}
 
 // The phases of the algorithms, each with its own flag per writer: inputs delivered to the
 // ranks that reduce them; island partials published and swapped across the socket link;
@@ -42,11 +46,12 @@ struct Group {
 
 class Builder {
  public:
-  Builder(Algorithm algorithm, Direction direction, bool staged, int world,
+  Builder(Algorithm algorithm, Direction direction, bool staged, Protocol protocol, int world,
           std::vector<int> island_of, int num_chunks) {
     s_.algorithm = algorithm;
     s_.direction = direction;
     s_.staged = staged;
+    s_.protocol = protocol;
     s_.world = world;
     s_.num_chunks = num_chunks;
     s_.island_of = std::move(island_of);
@@ -56,6 +61,7 @@ class Builder {
   int world() const { return s_.world; }
   bool staged() const { return s_.staged; }
   bool push() const { return s_.direction == Direction::kPush; }
+  bool ll() const { return s_.protocol == Protocol::kLL; }
 
   void reduce(int rank, int chunk, BufRef dst, const std::vector<BufRef>& srcs) {
     Step step;
@@ -68,8 +74,9 @@ class Builder {
   }
   void copy(int rank, int chunk, BufRef dst, BufRef src) { reduce(rank, chunk, dst, {src}); }
 
-  // `rank` raises its flag `phase` in the flag array of `owner` (a peer in push, itself in
-  // pull), telling `owner` (or whoever reads rank's slots) that the data is in place.
+  // `rank` raises its flag `phase` in the flag array of `owner`, the peer that waits for it:
+  // in push the rank it wrote to, in pull a rank that will read rank's slots. Every flag lives
+  // in the memory of the rank that waits on it, so no wait polls a peer.
   void signal(int rank, int owner, int phase) {
     Step step;
     step.kind = StepKind::kSignal;
@@ -79,12 +86,12 @@ class Builder {
     emit(rank, step);
   }
 
-  // `rank` waits for `writer`'s flag `phase`: in its own array (push) or in the writer's (pull).
+  // `rank` waits for `writer`'s flag `phase`, in its own flag array.
   void wait(int rank, int writer, int phase) {
     Step step;
     step.kind = StepKind::kWait;
     step.peer = static_cast<uint8_t>(writer);
-    step.flag_owner = static_cast<uint8_t>(push() ? rank : writer);
+    step.flag_owner = static_cast<uint8_t>(rank);
     step.flag = static_cast<uint8_t>(flag_id(writer, phase));
     emit(rank, step);
   }
@@ -93,9 +100,11 @@ class Builder {
 
   // One exchange phase inside groups (all ranks, or each island). Every rank r delivers
   // chunk `chunk(r, p)` to each peer p of its group. Push: r copies `push_src(r)` into slot
-  // `landing(r)` of p and raises its flag `phase` there. Pull: r must already have published
-  // the data in its own slot `published` and raised its own flag `phase`; p waits for it and,
-  // when `fetch`, copies it into its own slot `landing(r)`. Staged: one peer per stage.
+  // `landing(r)` of p and raises its flag `phase` there (LL: into p's LL slot, which is its own
+  // flag). Pull: r must already have published the data in its own slot `published` and raised
+  // flag `phase` in p's memory; p waits for it and, when `fetch`, copies it into its own slot
+  // `landing(r)`. Staged: one peer per stage. Unstaged: all copies, then all signals, then all
+  // waits, so each run of signals or waits can go out in parallel (one fence per run).
   // `on_recv(r, q)` runs on r once q's data is readable at received(r, q).
   struct Phase {
     int phase = 0;
@@ -109,18 +118,18 @@ class Builder {
 
   // Where rank r reads what q delivered in `phase`.
   BufRef received(const Phase& phase, int r, int q) const {
+    if (ll()) return ll_of(r, phase.landing(q), q);
     if (push() || phase.fetch) return slot_of(r, phase.landing(q));
     return slot_of(q, phase.published);
   }
 
   void exchange(const std::vector<Group>& group_of, const Phase& phase) {
     const int n = group_of[0].size();
-    auto send = [&](int r, int p) {
-      copy(r, phase.chunk(r, p), slot_of(p, phase.landing(r)), phase.push_src(r));
-      signal(r, p, phase.phase);
+    auto deliver = [&](int r, int p) {
+      const BufRef to = ll() ? ll_of(p, phase.landing(r), r) : slot_of(p, phase.landing(r));
+      copy(r, phase.chunk(r, p), to, phase.push_src(r));
     };
-    auto recv = [&](int r, int q) {
-      wait(r, q, phase.phase);
+    auto use = [&](int r, int q) {
       if (!push() && phase.fetch) {
         copy(r, phase.chunk(q, r), slot_of(r, phase.landing(q)), slot_of(q, phase.published));
       }
@@ -130,18 +139,30 @@ class Builder {
       for (int s = 1; s < n; ++s) {
         if (s > 1) next_stage();
         for (int r = 0; r < world(); ++r) {
-          if (push()) send(r, group_of[r].to(r, s));
-          recv(r, group_of[r].from(r, s));
+          if (push()) {
+            deliver(r, group_of[r].to(r, s));
+            signal(r, group_of[r].to(r, s), phase.phase);
+          }
+          wait(r, group_of[r].from(r, s), phase.phase);
+          use(r, group_of[r].from(r, s));
         }
       }
-    } else {
-      for (int r = 0; r < world(); ++r) {
-        if (push()) {
-          for (int s = 1; s < n; ++s) send(r, group_of[r].to(r, s));
-        }
-        for (int s = 1; s < n; ++s) recv(r, group_of[r].from(r, s));
-      }
+      return;
     }
+    for (int r = 0; r < world(); ++r) {
+      const Group& g = group_of[r];
+      if (push()) {
+        for (int s = 1; s < n; ++s) deliver(r, g.to(r, s));
+        for (int s = 1; s < n && !ll(); ++s) signal(r, g.to(r, s), phase.phase);
+      }
+      for (int s = 1; s < n && !ll(); ++s) wait(r, g.from(r, s), phase.phase);
+      for (int s = 1; s < n; ++s) use(r, g.from(r, s));
+    }
+  }
+
+  // Pull: `rank` tells every other member of `group` that its published data is readable.
+  void publish(int rank, const Group& group, int phase) {
+    for (int s = 1; s < group.size(); ++s) signal(rank, group.to(rank, s), phase);
   }
 
   int num_chunks() const { return s_.num_chunks; }
@@ -238,7 +259,7 @@ Builder::Phase deliver_inputs(Builder& b, const std::vector<Group>& group_of,
         for (int q : group_of[r].members) needed |= q != r && in.chunk(r, q) == c;
         if (needed) b.copy(r, c, slot_of(r, in.published), input_of(r));
       }
-      b.signal(r, r, in.phase);
+      b.publish(r, group_of[r], in.phase);
     }
   }
   b.exchange(group_of, in);
@@ -256,7 +277,7 @@ void reduce_inputs(Builder& b, const std::vector<Group>& group_of, const Builder
 }
 
 // Partners in the two islands swap their island partial (chunk `chunk_of(r)`), which pull
-// ranks have just published under flag 1.
+// ranks have just published under flag kPhasePartial.
 Builder::Phase swap_partials(Builder& b, const Islands& isl, std::function<int(int)> chunk_of) {
   const int partial = slot_partial(b.world());
   Builder::Phase cross;
@@ -284,16 +305,23 @@ void gather_results(Builder& b, const std::vector<Group>& group_of,
   b.exchange(group_of, ag);
 }
 
-// A reduced chunk lands in the output; pull ranks also publish it for their peers to read.
-void keep_reduced(Builder& b, int r, int chunk, const std::vector<BufRef>& srcs) {
+// A reduced chunk lands in the output; pull ranks also publish it for `group` to read.
+void keep_reduced(Builder& b, int r, int chunk, const std::vector<BufRef>& srcs,
+                  const Group& group) {
   if (b.push()) {
     b.reduce(r, chunk, output_of(r), srcs);
     return;
   }
   const BufRef gather = slot_of(r, slot_gather(b.world()));
   b.reduce(r, chunk, gather, srcs);
-  b.signal(r, r, kPhaseGather);
+  b.publish(r, group, kPhaseGather);
   b.copy(r, chunk, output_of(r), gather);
+}
+
+// Pull ranks tell their partner that the island partial is readable.
+void publish_partials(Builder& b, const Islands& isl) {
+  if (b.push()) return;
+  for (int r = 0; r < b.world(); ++r) b.signal(r, isl.partner[r], kPhasePartial);
 }
 
 // Every rank receives every input and sums the whole message in rank order.
@@ -310,9 +338,10 @@ Schedule build_twoshot(Builder b) {
   const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
   const auto in = deliver_inputs(b, everyone, [](int, int owner) { return owner; });
   for (int r = 0; r < b.world(); ++r) {
-    keep_reduced(b, r, r, in_rank_order(r, everyone[r].members, input_of(r), [&](int q) {
-                   return b.received(in, r, q);
-                 }));
+    keep_reduced(b, r, r,
+                 in_rank_order(r, everyone[r].members, input_of(r),
+                               [&](int q) { return b.received(in, r, q); }),
+                 everyone[r]);
   }
   b.next_stage();
   gather_results(b, everyone, [](int owner) { return owner; });
@@ -326,9 +355,7 @@ Schedule build_island_oneshot(Builder b, const std::vector<int>& island_of) {
   const auto in = deliver_inputs(b, isl.group_of, [](int, int) { return 0; });
   reduce_inputs(
       b, isl.group_of, in, [](int) { return 0; }, [partial](int r) { return slot_of(r, partial); });
-  for (int r = 0; r < b.world(); ++r) {
-    if (!b.push()) b.signal(r, r, kPhasePartial);
-  }
+  publish_partials(b, isl);
   b.next_stage();
   const auto cross = swap_partials(b, isl, [](int) { return 0; });
   for (int r = 0; r < b.world(); ++r) {
@@ -347,15 +374,14 @@ Schedule build_island_twoshot(Builder b, const std::vector<int>& island_of) {
   const auto chunk_of = [&](int r) { return index[r]; };
   const auto in = deliver_inputs(b, isl.group_of, [&](int, int owner) { return index[owner]; });
   reduce_inputs(b, isl.group_of, in, chunk_of, [partial](int r) { return slot_of(r, partial); });
-  for (int r = 0; r < b.world(); ++r) {
-    if (!b.push()) b.signal(r, r, kPhasePartial);
-  }
+  publish_partials(b, isl);
   b.next_stage();
   const auto cross = swap_partials(b, isl, chunk_of);
   for (int r = 0; r < b.world(); ++r) {
     keep_reduced(
         b, r, index[r],
-        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])));
+        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])),
+        isl.group_of[r]);
   }
   b.next_stage();
   gather_results(b, isl.group_of, chunk_of);
@@ -394,24 +420,60 @@ std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
 
 namespace pcie_ar::plan {
 
+std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
+                                           const std::vector<int>& island_of) {
+  if (auto why = why_unsupported(tactic.algorithm, world, island_of)) return why;
+  if (tactic.protocol != Protocol::kLL) return std::nullopt;
+  if (tactic.direction != Direction::kPush) {
+    return std::string(
+        "the ll protocol is push-only: a pull reader would poll the writer's memory across the "
+        "fabric, vector by vector");
+  }
+  if (tactic.staged) {
+    return std::string(
+        "the ll protocol is unstaged: every peer's data is read where it lands, as it lands");
+  }
+  return std::nullopt;
+}
+
+std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of) {
+  std::vector<Tactic> tactics;
+  for (Algorithm algorithm : kAllAlgorithms) {
+    for (Direction direction : {Direction::kPush, Direction::kPull}) {
+      for (bool staged : {true, false}) {
+        for (Protocol protocol : {Protocol::kFlag, Protocol::kLL}) {
+          const Tactic tactic{algorithm, direction, staged, protocol};
+          if (!why_unsupported(tactic, world, island_of)) tactics.push_back(tactic);
+        }
+      }
+    }
+  }
+  return tactics;
+}
+
 Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, int world,
-                        const std::vector<int>& island_of) {
-  if (auto why = why_unsupported(algorithm, world, island_of)) {
+                        const std::vector<int>& island_of, Protocol protocol) {
+  Tactic tactic;
+  tactic.algorithm = algorithm;
+  tactic.direction = direction;
+  tactic.staged = staged;
+  tactic.protocol = protocol;
+  if (auto why = why_unsupported(tactic, world, island_of)) {
     throw UnsupportedSchedule(std::string(algorithm_name(algorithm)) + " for world " +
                               std::to_string(world) + ": " + *why);
   }
   std::vector<int> islands = island_of.empty() ? std::vector<int>(world, 0) : island_of;
   switch (algorithm) {
     case Algorithm::kOneshot:
-      return build_oneshot(Builder(algorithm, direction, staged, world, islands, 1));
+      return build_oneshot(Builder(algorithm, direction, staged, protocol, world, islands, 1));
     case Algorithm::kTwoshot:
-      return build_twoshot(Builder(algorithm, direction, staged, world, islands, world));
+      return build_twoshot(Builder(algorithm, direction, staged, protocol, world, islands, world));
     case Algorithm::kIslandOneshot:
-      return build_island_oneshot(Builder(algorithm, direction, staged, world, islands, 1),
-                                  islands);
+      return build_island_oneshot(
+          Builder(algorithm, direction, staged, protocol, world, islands, 1), islands);
     case Algorithm::kIslandTwoshot:
-      return build_island_twoshot(Builder(algorithm, direction, staged, world, islands, world / 2),
-                                  islands);
+      return build_island_twoshot(
+          Builder(algorithm, direction, staged, protocol, world, islands, world / 2), islands);
   }
   throw UnsupportedSchedule("unknown algorithm");
 }
@@ -448,6 +510,9 @@ std::string describe_buf(const BufRef& buf) {
       return "output";
     case Space::kSlot:
       return "r" + std::to_string(buf.owner) + ".slot" + std::to_string(buf.slot);
+    case Space::kLL:
+      return "r" + std::to_string(buf.owner) + ".ll" + std::to_string(buf.slot) + "(from r" +
+             std::to_string(buf.writer) + ")";
   }
   return "?";
 }

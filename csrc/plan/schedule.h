@@ -24,6 +24,7 @@ struct Schedule {
   Algorithm algorithm = Algorithm::kOneshot;
   Direction direction = Direction::kPush;
   bool staged = true;
+  Protocol protocol = Protocol::kFlag;
   int world = 0;
   int num_chunks = 1;
   int num_stages = 0;
@@ -38,10 +39,21 @@ struct Schedule {
 std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
                                            const std::vector<int>& island_of);
 
+// Why the (algorithm, direction, staging, protocol) of `tactic` cannot be built here, or
+// nullopt. Besides the above: LL is push-only (a pull reader would poll the writer's memory
+// across the fabric) and unstaged (data is read where it lands, as soon as it lands).
+std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
+                                           const std::vector<int>& island_of);
+
+// Every (algorithm, direction, staging, protocol) the builders accept for this world and
+// island map, in a fixed order; blocks and threads keep their defaults.
+std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of);
+
 // Throws UnsupportedSchedule with the reason from why_unsupported(). An empty island_of means
 // flat (one island).
 Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, int world,
-                        const std::vector<int>& island_of = {});
+                        const std::vector<int>& island_of = {},
+                        Protocol protocol = Protocol::kFlag);
 
 // The POD a transport executes for `rank`. Throws std::length_error if the program does not
 // fit (it always does for schedules the builders emit).

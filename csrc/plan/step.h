@@ -14,18 +14,23 @@ inline constexpr int kMaxSources = kMaxWorld;  // a reduce sums at most one oper
 inline constexpr int kMaxSteps = 64;           // per rank; builders stay far below
 
 // Where a buffer lives. Input and output are the executing rank's own tensors (peers never
-// see them); slots are regions of a rank's workspace that peers map.
-enum class Space : uint8_t { kInput = 0, kOutput = 1, kSlot = 2 };
+// see them); slots are regions of a rank's workspace that peers map. An LL slot holds data in
+// the flag-in-data format (plan/protocol.h): a reduce that writes one tags every word with the
+// call, and a reduce that reads one waits, vector by vector, until the tags say the data of
+// this call has landed, then resets them. Only the owner reads its LL slots (it polls its own
+// memory), and each is read exactly once per write.
+enum class Space : uint8_t { kInput = 0, kOutput = 1, kSlot = 2, kLL = 3 };
 
 struct BufRef {
   Space space = Space::kInput;
-  uint8_t owner = 0;  // rank whose memory holds the buffer
-  uint8_t slot = 0;   // data slot index (Space::kSlot only)
-  uint8_t reserved = 0;
+  uint8_t owner = 0;   // rank whose memory holds the buffer
+  uint8_t slot = 0;    // slot index (Space::kSlot and Space::kLL)
+  uint8_t writer = 0;  // Space::kLL: the rank that writes it (named in a timeout)
 };
 
 enum class StepKind : uint8_t {
-  kReduce = 0,  // dst[chunk] = round(sum of srcs[chunk] in order, accumulated in fp32)
+  kReduce = 0,  // dst[chunk] = round(sum of srcs[chunk] in order, accumulated in fp32); LL
+                // sources are awaited per vector, an LL destination is written tagged
   kSignal = 1,  // release-store this generation into flag `flag` of rank `flag_owner`
   kWait = 2,    // acquire-wait until flag `flag` of rank `flag_owner` reaches this generation
 };

@@ -36,6 +36,10 @@ std::string_view direction_name(Direction direction) {
   return direction == Direction::kPush ? "push" : "pull";
 }
 
+std::string_view protocol_name(Protocol protocol) {
+  return protocol == Protocol::kLL ? "ll" : "flag";
+}
+
 bool is_island_algorithm(Algorithm algorithm) {
   return algorithm == Algorithm::kIslandOneshot || algorithm == Algorithm::kIslandTwoshot;
 }
@@ -60,11 +64,18 @@ std::optional<Direction> parse_direction(std::string_view name) {
   return std::nullopt;
 }
 
+std::optional<Protocol> parse_protocol(std::string_view name) {
+  if (name == "flag") return Protocol::kFlag;
+  if (name == "ll") return Protocol::kLL;
+  return std::nullopt;
+}
+
 std::string tactic_label(const Tactic& tactic) {
   std::string label(algorithm_name(tactic.algorithm));
   label += '/';
   label += direction_name(tactic.direction);
-  label += tactic.staged ? "/staged" : "/unstaged";
+  label += tactic.staged ? "/staged/" : "/unstaged/";
+  label += protocol_name(tactic.protocol);
   label += "/b" + std::to_string(tactic.blocks) + "/t" + std::to_string(tactic.threads);
   return label;
 }
@@ -75,6 +86,7 @@ uint32_t call_signature(DType dtype, const Tactic& tactic) {
   return (0xA5u << 24) | (static_cast<uint32_t>(dtype) << 20) |
          (static_cast<uint32_t>(tactic.algorithm) << 16) |
          (static_cast<uint32_t>(tactic.direction) << 13) | (tactic.staged ? 1u << 12 : 0u) |
+         (static_cast<uint32_t>(tactic.protocol) << 14) |
          (static_cast<uint32_t>(tactic.blocks) & 0xFFFu);
 }
 

@@ -23,6 +23,13 @@ enum class Algorithm : uint8_t {
 // Pull: readers load from the writer's workspace (some switch fabrics collapse on peer writes).
 enum class Direction : uint8_t { kPush = 0, kPull = 1 };
 
+// How a reader learns that data has arrived. Flag: the writer stores the data, then releases a
+// separate flag word (a system fence per signal); fits any size. LL (NCCL's low-latency idea):
+// every 8-byte word a writer stores carries 4 bytes of payload and a tag derived from the call's
+// generation, so the data is its own flag: no fence, no flag word, the reader polls its own
+// memory per vector. Half the payload per byte moved, so it pays only for small messages.
+enum class Protocol : uint8_t { kFlag = 0, kLL = 1 };
+
 inline constexpr Algorithm kAllAlgorithms[] = {
     Algorithm::kOneshot, Algorithm::kTwoshot, Algorithm::kIslandOneshot, Algorithm::kIslandTwoshot};
 inline constexpr DType kAllDTypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
@@ -31,6 +38,7 @@ struct Tactic {
   Algorithm algorithm = Algorithm::kOneshot;
   Direction direction = Direction::kPush;
   bool staged = true;
+  Protocol protocol = Protocol::kFlag;
   int blocks = 1;     // CTAs per rank on the GPU; slices processed in turn on the host
   int threads = 256;  // threads per CTA (GPU only)
 
@@ -41,14 +49,16 @@ int dtype_bytes(DType dtype);
 std::string_view dtype_name(DType dtype);  // "bf16", "fp16", "fp32"
 std::string_view algorithm_name(Algorithm algorithm);
 std::string_view direction_name(Direction direction);
+std::string_view protocol_name(Protocol protocol);  // "flag", "ll"
 bool is_island_algorithm(Algorithm algorithm);
 
 // Parsers accept exactly the names above; std::nullopt otherwise.
 std::optional<DType> parse_dtype(std::string_view name);
 std::optional<Algorithm> parse_algorithm(std::string_view name);
 std::optional<Direction> parse_direction(std::string_view name);
+std::optional<Protocol> parse_protocol(std::string_view name);
 
-// "oneshot/push/staged/b16/t256": stable, used as the stats key.
+// "oneshot/push/staged/flag/b16/t256": stable, used as the stats key.
 std::string tactic_label(const Tactic& tactic);
 
 // A 32-bit code for (numel, dtype, tactic) written beside every flag, so a reader detects a

@@ -11,31 +11,40 @@ namespace {
 
 constexpr std::string_view kSeedTable =
     R"csv(# Seed table compiled into pcie_allreduce; PCIE_ALLREDUCE_TABLE names a file that replaces it.
-topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads
-# Host shared-memory transport (CPU tensors): one thread per rank walks one slice. Past a few
-# tens of KiB, reducing half the message each (twoshot) beats reducing all of it (2-core VM).
+# docs/tuning.md says which rows were measured and which are estimates from the cost model.
+topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads,protocol
+# Host shared-memory transport (CPU tensors), measured on the 2-core CI VM: one thread per rank
+# walks one slice. Past a few tens of KiB, reducing half the message each (twoshot) beats
+# reducing all of it. LL loses here at every size (x86 releases are free; LL doubles the bytes).
 host,2,*,0,32768,oneshot,push,0,1,32
 host,2,*,32768,*,twoshot,push,0,1,32
 host,*,*,0,65536,oneshot,push,0,1,32
 host,*,*,65536,*,twoshot,push,0,1,32
 # NVLink-connected GPUs belong to the serving engine's own custom all-reduce.
 nvlink,*,*,0,*,fallback,,,,
-# Two sockets: reduce inside each island and cross the socket link once.
-islands-2x4,8,*,0,131072,island_oneshot,push,1,16,256
+# GPU rows below are ESTIMATES (cost model, not yet measured on a real PCIe host).
+# Two sockets: reduce inside each island and cross the socket link once. Decode sizes use LL
+# (no fence, no flag, local polls only); then one fence per phase with parallel flags.
+islands-2x4,8,*,0,16384,island_oneshot,push,0,8,256,ll
+islands-2x4,8,*,16384,131072,island_oneshot,push,0,16,256
 islands-2x4,8,*,131072,*,island_twoshot,push,1,32,512
-islands-2x3,6,*,0,131072,island_oneshot,push,1,16,256
+islands-2x3,6,*,0,16384,island_oneshot,push,0,8,256,ll
+islands-2x3,6,*,16384,131072,island_oneshot,push,0,16,256
 islands-2x3,6,*,131072,*,island_twoshot,push,1,32,512
-islands-2x2,4,*,0,131072,island_oneshot,push,1,16,256
+islands-2x2,4,*,0,16384,island_oneshot,push,0,8,256,ll
+islands-2x2,4,*,16384,131072,island_oneshot,push,0,16,256
 islands-2x2,4,*,131072,*,island_twoshot,push,1,32,512
-# One switch or root complex: a single peer needs no staging; more peers take turns.
+# One switch or root complex.
+*,*,*,0,16384,oneshot,push,0,8,256,ll
 *,2,*,0,*,oneshot,push,0,16,256
-*,*,*,0,131072,oneshot,push,1,16,256
+*,*,*,0,131072,oneshot,push,0,16,256
 *,*,*,131072,*,twoshot,push,1,32,512
 *,*,*,0,*,fallback,,,,
 )csv";
 
 constexpr std::string_view kHeader =
     "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads";
+constexpr size_t kProtocolColumn = 10;
 
 std::vector<std::string_view> split(std::string_view line) {
   std::vector<std::string_view> cells;
@@ -90,7 +99,7 @@ class RowParser {
     row.algorithm_text = std::string(cells[5]);
     row.fallback = row.algorithm_text == "fallback";
     if (!row.fallback) read_tactic(cells, row);
-    for (size_t i = 10; i < cells.size(); ++i) row.extra.emplace_back(cells[i]);
+    for (size_t i = kProtocolColumn + 1; i < cells.size(); ++i) row.extra.emplace_back(cells[i]);
     return row;
   }
 
@@ -114,6 +123,14 @@ class RowParser {
     row.tactic.staged = cells[7] == "1";
     row.tactic.blocks = static_cast<int>(integer(cells[8], "blocks", 1));
     row.tactic.threads = static_cast<int>(integer(cells[9], "threads", 1));
+    if (cells.size() > kProtocolColumn && !cells[kProtocolColumn].empty()) {
+      const auto protocol = parse_protocol(cells[kProtocolColumn]);
+      if (!protocol) {
+        fail("column protocol must be flag or ll (or empty for flag), got '" +
+             std::string(cells[kProtocolColumn]) + "'");
+      }
+      row.tactic.protocol = *protocol;
+    }
   }
 
   std::string_view source_;
@@ -175,7 +192,7 @@ TableChoice TuningTable::choose(std::string_view topology_key, int world, DType 
       why = "unknown algorithm '" + row.algorithm_text +
             "' (expected oneshot, twoshot, island_oneshot, island_twoshot or fallback)";
     } else if (why_not_runnable) {
-      why = why_not_runnable(row);
+      why = why_not_runnable(row, bytes);
     }
     if (why) {
       choice.skipped.emplace_back(row.line, *why);
@@ -200,6 +217,10 @@ std::string TuningTable::canonical_text() const {
       text += "," + std::string(direction_name(r.tactic.direction)) + "," +
               (r.tactic.staged ? "1" : "0") + "," + std::to_string(r.tactic.blocks) + "," +
               std::to_string(r.tactic.threads);
+      // Ten-column rows keep their old canonical text (and hash); only LL rows grow.
+      if (r.tactic.protocol != Protocol::kFlag) {
+        text += "," + std::string(protocol_name(r.tactic.protocol));
+      }
     }
     text += "\n";
   }

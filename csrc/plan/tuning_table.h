@@ -4,12 +4,15 @@
 // fallback. Decisions are a pure function of the table and the call, so every rank that holds
 // the same table (the handshake compares hash()) takes the same path.
 //
-//   topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads
-//   islands-2x4,8,bf16,0,65536,island_oneshot,push,1,16,256
+//   topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads,protocol
+//   islands-2x4,8,bf16,0,16384,island_oneshot,push,0,8,256,ll
+//   islands-2x4,8,bf16,16384,65536,island_oneshot,push,1,16,256
 //   *,*,*,0,*,fallback,,,,
 //
-// min_bytes is inclusive, max_bytes exclusive, "*" matches anything. Columns after the tenth
-// (measured times written by the tuner) are kept but never matched on.
+// min_bytes is inclusive, max_bytes exclusive, "*" matches anything. The eleventh column,
+// protocol (flag or ll), is optional: absent or empty means flag, so ten-column tables stay
+// valid. Columns after the eleventh (measured times written by the tuner) are kept but never
+// matched on.
 #pragma once
 
 #include <cstdint>
@@ -40,13 +43,14 @@ struct TableRow {
   std::string algorithm_text;  // as written, so an unknown name can be reported
   std::optional<Algorithm> algorithm;
   Tactic tactic;
-  std::vector<std::string> extra;  // columns after the tenth
+  std::vector<std::string> extra;  // columns after the eleventh
 
   bool matches(std::string_view topology_key, int world, DType dtype, int64_t bytes) const;
 };
 
-// Why a tactic cannot run on this communicator (world, workspace, topology), or nullopt.
-using RunnableCheck = std::function<std::optional<std::string>(const TableRow&)>;
+// Why a row's tactic cannot run a message of `bytes` on this communicator (world, workspace,
+// topology), or nullopt. Must depend only on what every rank agrees on.
+using RunnableCheck = std::function<std::optional<std::string>(const TableRow&, int64_t bytes)>;
 
 struct TableChoice {
   bool fallback = true;

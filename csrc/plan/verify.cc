@@ -74,11 +74,18 @@ struct Region {
   int writer = -1;
   int write_time = 0;                      // writer's own clock entry at the write
   std::vector<std::pair<int, int>> reads;  // (reader, reader's clock) since the last write
+  int avail = 0;                           // fabric hops until the data is in place
+  // LL slots only: written this call, and not yet consumed by its one read.
+  bool ll_written = false;
+  bool ll_pending = false;
+  Clock heard;  // the writer's progress clock at the write
 };
 
 struct Flag {
   int writer = -1;
   Clock clock;
+  Clock heard;
+  int avail = 0;
 };
 
 // (space, owner, slot, chunk)
@@ -89,6 +96,8 @@ class Simulation {
   Simulation(const Schedule& s, const VerifyOptions& options, Verification& v)
       : s_(s), options_(options), v_(v), exprs_(s.world) {
     clocks_.assign(s.world, Clock(s.world, 0));
+    heard_.assign(s.world, Clock(s.world, 0));
+    hops_.assign(s.world, 0);
     for (int r = 0; r < s.world; ++r) {
       for (int c = 0; c < s.num_chunks; ++c) {
         regions_[key(r, BufRef{Space::kInput, static_cast<uint8_t>(r), 0, 0}, c)].expr = r;
@@ -105,7 +114,7 @@ class Simulation {
         const auto& program = s_.programs[r];
         while (pc[r] < program.size()) {
           const Step& step = program[pc[r]];
-          if (step.kind == StepKind::kWait && !flags_.count({step.flag_owner, step.flag})) break;
+          if (blocked(r, step)) break;
           execute(r, static_cast<int>(pc[r]), step);
           ++pc[r];
           progress = true;
@@ -126,18 +135,33 @@ class Simulation {
     }
     check_outputs();
     check_everyone_heard_from_everyone();
+    check_ll_consumed();
   }
+
+  int fabric_hops() const { return *std::max_element(hops_.begin(), hops_.end()); }
 
  private:
   void error(std::string message) {
     if (v_.errors.size() < 32) v_.errors.push_back(std::move(message));
   }
 
+  // A wait whose flag nobody has raised yet, or a reduce whose LL operand has not landed.
+  bool blocked(int r, const Step& step) {
+    if (step.kind == StepKind::kWait) return !flags_.count({step.flag_owner, step.flag});
+    if (step.kind != StepKind::kReduce) return false;
+    for (int i = 0; i < step.num_srcs && i < kMaxSources; ++i) {
+      const BufRef& src = step.srcs[i];
+      if (src.space == Space::kLL && !regions_[key(r, src, step.chunk)].ll_pending) return true;
+    }
+    return false;
+  }
+
   RegionKey key(int r, const BufRef& buf, int chunk) const {
     int space = static_cast<int>(buf.space);
     if (options_.in_place && buf.space == Space::kOutput) space = static_cast<int>(Space::kInput);
     (void)r;
-    return {space, buf.owner, buf.space == Space::kSlot ? buf.slot : 0, chunk};
+    const bool slot = buf.space == Space::kSlot || buf.space == Space::kLL;
+    return {space, buf.owner, slot ? buf.slot : 0, chunk};
   }
 
   std::string where(int r, int index, const Step& step) const {
@@ -151,12 +175,13 @@ class Simulation {
             " is outside the world");
       return false;
     }
-    if (buf.space != Space::kSlot && buf.owner != r) {
+    const bool slot = buf.space == Space::kSlot || buf.space == Space::kLL;
+    if (!slot && buf.owner != r) {
       error(where(r, index, step) + ": touches rank " + std::to_string(buf.owner) +
             "'s input/output, which only that rank can see");
       return false;
     }
-    if (buf.space == Space::kSlot && buf.slot >= num_slots_for(s_.world)) {
+    if (slot && buf.slot >= num_slots_for(s_.world)) {
       error(where(r, index, step) + ": slot " + std::to_string(buf.slot) + " is outside the " +
             std::to_string(num_slots_for(s_.world)) + " slots of the layout");
       return false;
@@ -192,7 +217,58 @@ class Simulation {
             " wrote without waiting for its flag (race)");
     }
     region.reads.emplace_back(r, clocks_[r][r]);
+    arrive(r, buf, region.avail);
     return region.expr;
+  }
+
+  // The reader waits for the data itself: that orders this read after the write (no race) and
+  // proves the writer's progress, but makes none of its other writes visible.
+  int read_ll(int r, int index, const Step& step, const BufRef& buf) {
+    Region& region = regions_[key(r, buf, step.chunk)];
+    if (buf.owner != r) {
+      error(where(r, index, step) + ": reads an LL slot in rank " + std::to_string(buf.owner) +
+            "'s memory; LL readers poll only their own memory");
+    }
+    if (region.writer != buf.writer) {
+      error(where(r, index, step) + ": expects rank " + std::to_string(buf.writer) +
+            "'s LL data but rank " + std::to_string(region.writer) + " writes it");
+    }
+    region.ll_pending = false;
+    for (int q = 0; q < s_.world; ++q) heard_[r][q] = std::max(heard_[r][q], region.heard[q]);
+    region.reads.emplace_back(r, clocks_[r][r]);
+    arrive(r, buf, region.avail);
+    return region.expr;
+  }
+
+  void write_ll(int r, int index, const Step& step, const BufRef& buf, int expr) {
+    Region& region = regions_[key(r, buf, step.chunk)];
+    if (buf.writer != r) {
+      error(where(r, index, step) + ": names rank " + std::to_string(buf.writer) +
+            " as the writer of an LL slot that rank " + std::to_string(r) + " writes");
+    }
+    if (region.ll_written) {
+      error(where(r, index, step) +
+            ": writes an LL slot a second time in one call (its tags cannot tell the writes "
+            "apart)");
+    }
+    region.ll_written = true;
+    region.ll_pending = true;
+    region.expr = expr;
+    region.writer = r;
+    region.write_time = clocks_[r][r];
+    region.heard = heard_[r];
+    region.reads.clear();
+    region.avail = hops_[r] + (buf.owner != r ? 1 : 0);
+  }
+
+  // Fabric time: data in the reader's memory is usable once it has landed; data in a peer's
+  // memory costs a round trip after it has landed there. The operands of one reduce are loaded
+  // together, so the step waits for the latest of them, not their sum.
+  void arrive(int r, const BufRef& buf, int avail) {
+    const bool remote =
+        buf.space == Space::kSlot || buf.space == Space::kLL ? buf.owner != r : false;
+    step_hops_ = std::max(step_hops_,
+                          remote ? std::max(hops_[r] + 2, avail + 1) : std::max(hops_[r], avail));
   }
 
   void write(int r, int index, const Step& step, const BufRef& buf, int expr) {
@@ -211,61 +287,84 @@ class Simulation {
     region.writer = r;
     region.write_time = clocks_[r][r];
     region.reads.clear();
+    region.avail = hops_[r] + (buf.space == Space::kSlot && buf.owner != r ? 1 : 0);
   }
 
   void execute(int r, int index, const Step& step) {
     ++clocks_[r][r];
+    heard_[r][r] = clocks_[r][r];
     switch (step.kind) {
-      case StepKind::kReduce: {
-        if (step.num_srcs < 1 || step.num_srcs > kMaxSources) {
-          error(where(r, index, step) + ": a reduce needs 1.." + std::to_string(kMaxSources) +
-                " operands");
-          return;
-        }
-        if (step.chunk >= s_.num_chunks) {
-          error(where(r, index, step) + ": chunk " + std::to_string(step.chunk) +
-                " is outside the schedule's " + std::to_string(s_.num_chunks));
-          return;
-        }
-        std::vector<int> operands;
-        for (int i = 0; i < step.num_srcs; ++i) {
-          const BufRef& src = step.srcs[i];
-          if (!check_buf(r, index, step, src)) return;
-          if (src.owner != r) record_transfer(step.stage, src.owner, r, r, index, step);
-          operands.push_back(read(r, index, step, src));
-        }
-        if (!check_buf(r, index, step, step.dst)) return;
-        if (step.dst.owner != r) record_transfer(step.stage, r, step.dst.owner, r, index, step);
-        if (std::find(operands.begin(), operands.end(), -1) != operands.end()) return;
-        write(r, index, step, step.dst, exprs_.sum(operands));
-        return;
-      }
-      case StepKind::kSignal: {
-        if (step.flag_owner >= s_.world || step.flag >= num_flags_for(s_.world)) {
-          error(where(r, index, step) + ": flag outside the layout");
-          return;
-        }
-        Flag& flag = flags_[{step.flag_owner, step.flag}];
-        if (flag.writer >= 0) {
-          error(where(r, index, step) + ": flag already raised this generation by rank " +
-                std::to_string(flag.writer) + " (each flag has one writer, once per call)");
-        }
-        flag.writer = r;
-        flag.clock = clocks_[r];
-        return;
-      }
-      case StepKind::kWait: {
-        const Flag& flag = flags_.at({step.flag_owner, step.flag});
-        if (flag.writer != step.peer) {
-          error(where(r, index, step) + ": waits for rank " + std::to_string(step.peer) +
-                " but rank " + std::to_string(flag.writer) + " raises that flag");
-        }
-        for (int q = 0; q < s_.world; ++q) {
-          clocks_[r][q] = std::max(clocks_[r][q], flag.clock[q]);
-        }
-        return;
-      }
+      case StepKind::kReduce:
+        return execute_reduce(r, index, step);
+      case StepKind::kSignal:
+        return execute_signal(r, index, step);
+      case StepKind::kWait:
+        return execute_wait(r, index, step);
     }
+  }
+
+  void execute_reduce(int r, int index, const Step& step) {
+    if (step.num_srcs < 1 || step.num_srcs > kMaxSources) {
+      error(where(r, index, step) + ": a reduce needs 1.." + std::to_string(kMaxSources) +
+            " operands");
+      return;
+    }
+    if (step.chunk >= s_.num_chunks) {
+      error(where(r, index, step) + ": chunk " + std::to_string(step.chunk) +
+            " is outside the schedule's " + std::to_string(s_.num_chunks));
+      return;
+    }
+    std::vector<int> operands;
+    step_hops_ = hops_[r];
+    for (int i = 0; i < step.num_srcs; ++i) {
+      const BufRef& src = step.srcs[i];
+      if (!check_buf(r, index, step, src)) return;
+      if (src.space == Space::kLL) {
+        operands.push_back(read_ll(r, index, step, src));
+        continue;
+      }
+      if (src.owner != r) record_transfer(step.stage, src.owner, r, r, index, step);
+      operands.push_back(read(r, index, step, src));
+    }
+    hops_[r] = step_hops_;
+    if (!check_buf(r, index, step, step.dst)) return;
+    if (step.dst.owner != r) record_transfer(step.stage, r, step.dst.owner, r, index, step);
+    if (std::find(operands.begin(), operands.end(), -1) != operands.end()) return;
+    if (step.dst.space == Space::kLL) {
+      write_ll(r, index, step, step.dst, exprs_.sum(operands));
+    } else {
+      write(r, index, step, step.dst, exprs_.sum(operands));
+    }
+  }
+
+  void execute_signal(int r, int index, const Step& step) {
+    if (step.flag_owner >= s_.world || step.flag >= num_flags_for(s_.world)) {
+      error(where(r, index, step) + ": flag outside the layout");
+      return;
+    }
+    Flag& flag = flags_[{step.flag_owner, step.flag}];
+    if (flag.writer >= 0) {
+      error(where(r, index, step) + ": flag already raised this generation by rank " +
+            std::to_string(flag.writer) + " (each flag has one writer, once per call)");
+    }
+    flag.writer = r;
+    flag.clock = clocks_[r];
+    flag.heard = heard_[r];
+    flag.avail = hops_[r] + (step.flag_owner != r ? 1 : 0);
+  }
+
+  void execute_wait(int r, int index, const Step& step) {
+    const Flag& flag = flags_.at({step.flag_owner, step.flag});
+    if (flag.writer != step.peer) {
+      error(where(r, index, step) + ": waits for rank " + std::to_string(step.peer) + " but rank " +
+            std::to_string(flag.writer) + " raises that flag");
+    }
+    for (int q = 0; q < s_.world; ++q) {
+      clocks_[r][q] = std::max(clocks_[r][q], flag.clock[q]);
+      heard_[r][q] = std::max(heard_[r][q], flag.heard[q]);
+    }
+    hops_[r] = step.flag_owner != r ? std::max(hops_[r] + 2, flag.avail + 1)
+                                    : std::max(hops_[r], flag.avail);
   }
 
   void check_outputs() {
@@ -305,7 +404,7 @@ class Simulation {
   void check_everyone_heard_from_everyone() {
     for (int r = 0; r < s_.world; ++r) {
       for (int q = 0; q < s_.world; ++q) {
-        if (q != r && clocks_[r][q] < 1) {
+        if (q != r && heard_[r][q] < 1) {
           error("rank " + std::to_string(r) + " can finish without hearing from rank " +
                 std::to_string(q) + ": the generation double buffer would be unsafe");
         }
@@ -321,10 +420,52 @@ class Simulation {
   const VerifyOptions& options_;
   Verification& v_;
   Expressions exprs_;
-  std::vector<Clock> clocks_;
+  // LL data left unread would keep valid tags in the workspace.
+  void check_ll_consumed() {
+    for (const auto& [k, region] : regions_) {
+      if (!region.ll_pending) continue;
+      error("rank " + std::to_string(region.writer) + "'s LL data in rank " +
+            std::to_string(std::get<1>(k)) + "'s slot " + std::to_string(std::get<2>(k)) +
+            " chunk " + std::to_string(std::get<3>(k)) +
+            " is never read in the call: its tags would stay valid");
+    }
+  }
+
+  std::vector<Clock> clocks_;  // visibility: joined only through flags (release/acquire)
+  std::vector<Clock> heard_;   // progress: joined through flags and LL reads
+  std::vector<int> hops_;      // fabric hops on each rank's critical path
+  int step_hops_ = 0;          // the reduce being executed: when its last operand is in
   std::map<RegionKey, Region> regions_;
   std::map<std::pair<int, int>, Flag> flags_;
 };
+
+// Folds rank r's program into the worst-rank cost.
+void add_cost(const std::vector<Step>& program, int r, Cost& worst) {
+  Cost c;
+  StepKind previous = StepKind::kReduce;
+  for (const Step& step : program) {
+    const bool run = &step != program.data() && previous == step.kind;
+    if (step.kind == StepKind::kSignal && !run) ++c.system_fences;
+    if (step.kind == StepKind::kWait) {
+      if (step.flag_owner != r) {
+        ++c.peer_polls;
+      } else if (!run) {
+        ++c.local_waits;
+      }
+    }
+    if (step.kind == StepKind::kReduce) {
+      for (int i = 0; i < step.num_srcs && i < kMaxSources; ++i) {
+        if (step.srcs[i].space != Space::kLL) continue;
+        ++(step.srcs[i].owner == r ? c.data_polls : c.peer_polls);
+      }
+    }
+    previous = step.kind;
+  }
+  worst.system_fences = std::max(worst.system_fences, c.system_fences);
+  worst.peer_polls = std::max(worst.peer_polls, c.peer_polls);
+  worst.local_waits = std::max(worst.local_waits, c.local_waits);
+  worst.data_polls = std::max(worst.data_polls, c.data_polls);
+}
 
 }  // namespace
 
@@ -350,6 +491,9 @@ Verification verify(const Schedule& schedule, const VerifyOptions& options) {
   }
   Simulation sim(schedule, options, v);
   sim.run();
+  for (int r = 0; r < W; ++r) add_cost(schedule.programs[r], r, v.cost);
+  v.cost.fabric_hops = sim.fabric_hops();
+  v.cost.cross_island = v.cross_island_elements();
   for (const auto& [where, peers] : sim.out_) {
     v.max_outbound_per_stage = std::max(v.max_outbound_per_stage, static_cast<int>(peers.size()));
     if (schedule.staged && peers.size() > 1) {

@@ -8,8 +8,14 @@
 //  - no rank deadlocks, every flag has a single writer, and every rank's end depends on every
 //    other rank's start (what makes the generation double buffer safe);
 //  - in a staged schedule, each stage is a permutation: at most one outbound and one inbound
-//    peer stream per rank.
-// It also counts the elements that cross between islands.
+//    peer stream per rank;
+//  - LL slots (flag-in-data): only their owner reads them, each write is read exactly once in
+//    the same call (the read resets the tags; a second read would wait forever, an unread
+//    write would leave valid tags behind), and each is written at most once per call. An LL
+//    read orders only that data: it does not make the writer's other writes visible (no
+//    fence), so it proves progress (the writer has started the call) but not visibility.
+// It also counts the elements that cross between islands, and what each rank pays in
+// synchronisation (Cost).
 #pragma once
 
 #include <string>
@@ -21,6 +27,20 @@ namespace pcie_ar::plan {
 
 struct VerifyOptions {
   bool in_place = false;  // output aliases input (the in-place op)
+};
+
+// What the worst rank pays per call and per CTA, counted from the step lists. Runs of
+// consecutive signals (or waits) go out in parallel, so each run counts once.
+struct Cost {
+  int system_fences = 0;  // runs of signals: each is a barrier and one system-scope release
+  int peer_polls = 0;     // waits (or LL reads) that poll a peer's memory: PCIe round trips
+  int local_waits = 0;    // runs of flag waits on this rank's own memory
+  int data_polls = 0;     // LL operands awaited vector by vector in this rank's own memory
+  // The longest chain of dependent fabric crossings: a posted write is one hop, a read of a
+  // peer's memory two (a round trip).
+  int fabric_hops = 0;
+  // Elements one island writes into the other per message of N, as a multiple of N.
+  double cross_island = 0.0;
 };
 
 struct Verification {
@@ -39,6 +59,7 @@ struct Verification {
   // Total elements each rank sends to peers per message of N, as a multiple of N
   // (bytes_sent_per_peer in the stats comes from the same count).
   std::vector<std::vector<double>> sent_to;  // sent_to[src][dst]
+  Cost cost;                                 // the worst rank, field by field
 };
 
 Verification verify(const Schedule& schedule, const VerifyOptions& options = {});

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -60,20 +61,25 @@ ResidencyTable measure_residency(int device) {
   return table;
 }
 
-// A fresh slab: counters and flags at initial_gen (the first call expects initial_gen + 1),
-// data zeroed so nothing stale from a previous owner of the memory can be reduced.
-uint8_t* allocate_slab(const plan::Layout& layout, uint32_t initial_gen) {
+// Counters and flags at initial_gen (the first call expects initial_gen + 1), every LL word
+// tagged stale, data zeroed so nothing stale from a previous owner of the memory can be reduced.
+// `slab` is any device-addressable memory of layout.total_bytes.
+void initialize_slab(uint8_t* slab, const plan::Layout& layout, uint64_t initial_gen) {
+  std::vector<uint8_t> control(layout.control_bytes);
+  plan::initialize_control(control.data(), layout, initial_gen);
+  check(cudaMemcpy(slab, control.data(), control.size(), cudaMemcpyHostToDevice),
+        "initialising the workspace control area");
+  check(cudaMemset(slab + layout.control_bytes, 0, layout.total_bytes - layout.control_bytes),
+        "zeroing the workspace data slots");
+}
+
+uint8_t* allocate_slab(const plan::Layout& layout, uint64_t initial_gen) {
   uint8_t* slab = nullptr;
   check(cudaMalloc(&slab, layout.total_bytes), "cudaMalloc of the " +
                                                    str(static_cast<int64_t>(layout.total_bytes)) +
                                                    "-byte all-reduce workspace");
   try {
-    std::vector<uint8_t> control(layout.control_bytes);
-    plan::initialize_control(control.data(), layout, initial_gen);
-    check(cudaMemcpy(slab, control.data(), control.size(), cudaMemcpyHostToDevice),
-          "initialising the workspace control area");
-    check(cudaMemset(slab + layout.control_bytes, 0, layout.total_bytes - layout.control_bytes),
-          "zeroing the workspace data slots");
+    initialize_slab(slab, layout, initial_gen);
   } catch (...) {
     cudaFree(slab);
     throw;
@@ -160,6 +166,7 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
   p.threads = threads;
   p.first_rank = first_rank;
   p.ranks_in_launch = ranks_in_launch;
+  p.pdl = workspace.pdl;
   return p;
 }
 
@@ -212,10 +219,59 @@ void require_device(int device) {
   }
 }
 
+bool pdl_enabled(int device) {
+  const char* env = std::getenv("PCIE_ALLREDUCE_PDL");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
+  return major >= 9 && executor_waits_for_previous_grid();
+}
+
+// ------------------------------------------------------------------ StreamOrder
+
+namespace {
+
+bool capturing(cudaStream_t stream, bool* known) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  *known = err == cudaSuccess;
+  if (!*known) cudaGetLastError();  // not sticky; leave nothing for the caller's next call
+  return status != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+StreamOrder::~StreamOrder() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+void StreamOrder::before_call(cudaStream_t stream) {
+  if (have_last_ && stream == last_) return;  // the common case costs nothing
+  bool known = false;
+  // A captured call is not ordered, and does not count as the last eager call.
+  if (capturing(stream, &known) || !known) return;
+  if (have_last_) {
+    // Recording into a stream that is capturing now would join its graph; skip it then.
+    const bool last_capturing = capturing(last_, &known);
+    if (known && !last_capturing) {
+      if (event_ == nullptr) {
+        check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
+              "creating the all-reduce stream-order event");
+      }
+      check(cudaEventRecord(event_, last_), "recording the previous all-reduce stream");
+      check(cudaStreamWaitEvent(stream, event_, 0),
+            "ordering the all-reduce after the previous stream's calls");
+    }
+  }
+  last_ = stream;
+  have_last_ = true;
+}
+
 // ------------------------------------------------------------------ CudaIpcWorkspace
 
 CudaIpcWorkspace::CudaIpcWorkspace(const plan::Layout& layout, int rank, int device,
-                                   uint32_t initial_gen, double timeout_s)
+                                   uint64_t initial_gen, double timeout_s)
     : Workspace(layout, rank), device_(device) {
   require_device(device);
   plan::check_layout(layout);
@@ -231,6 +287,7 @@ CudaIpcWorkspace::CudaIpcWorkspace(const plan::Layout& layout, int rank, int dev
     diag_host_ = allocate_diag(&view_.diag);
     view_.claim = allocate_claim();
     residency_ = measure_residency(device);
+    view_.pdl = pdl_enabled(device);
     // Initialisation ran on the legacy stream; callers launch on their own (non-blocking) ones.
     check(cudaDeviceSynchronize(), "initialising the all-reduce workspace");
   } catch (...) {
@@ -358,7 +415,9 @@ void CudaIpcWorkspace::run(const Call& call) {
       make_launch_params(view_, programs_[call.program], call.dtype, call.blocks, call.threads,
                          inputs, outputs, call.numel, call.signature, rank(), 1);
   DeviceGuard guard(device_);
-  launch_executor(p, static_cast<cudaStream_t>(call.stream));
+  const auto stream = static_cast<cudaStream_t>(call.stream);
+  order_.before_call(stream);
+  if (!launch_executor(p, stream)) view_.pdl = false;  // refused: launched plainly, stay plain
 }
 
 std::optional<plan::Diagnostic> CudaIpcWorkspace::failure() const { return read_diag(diag_host_); }
@@ -398,7 +457,7 @@ std::vector<int> CudaIpcWorkspace::probe_read(uint32_t nonce) const {
 
 // ------------------------------------------------------------------ CudaLoopback
 
-CudaLoopback::CudaLoopback(const plan::Layout& layout, int device, uint32_t initial_gen,
+CudaLoopback::CudaLoopback(const plan::Layout& layout, int device, uint64_t initial_gen,
                            double timeout_s)
     : device_(device) {
   require_device(device);
@@ -414,6 +473,7 @@ CudaLoopback::CudaLoopback(const plan::Layout& layout, int device, uint32_t init
     diag_host_ = allocate_diag(&view_.diag);
     view_.claim = allocate_claim();
     residency_ = measure_residency(device);
+    view_.pdl = pdl_enabled(device);
     check(cudaDeviceSynchronize(), "initialising the loopback workspaces");
   } catch (...) {
     for (uint8_t*& slab : slabs_) {
@@ -435,12 +495,27 @@ CudaLoopback::~CudaLoopback() {
       if (program != nullptr) cudaFree(const_cast<plan::Program*>(program));
     }
   }
-  for (uint8_t* slab : slabs_) {
-    if (slab != nullptr) cudaFree(slab);
+  for (int r = 0; r < plan::kMaxWorld; ++r) {
+    if (slabs_[r] != nullptr && !external_[r]) cudaFree(slabs_[r]);
   }
   if (view_.claim != nullptr) cudaFree(view_.claim);
   if (diag_host_ != nullptr) cudaFreeHost(diag_host_);
   if (restore) cudaSetDevice(previous);
+}
+
+void CudaLoopback::use_external_slab(int rank, uint8_t* slab, uint64_t initial_gen) {
+  if (rank < 0 || rank >= view_.layout.world || slab == nullptr) {
+    throw std::invalid_argument("use_external_slab(): rank " + str(rank) + " of world " +
+                                str(view_.layout.world) + " with a " +
+                                (slab == nullptr ? "null" : "non-null") + " slab");
+  }
+  DeviceGuard guard(device_);
+  initialize_slab(slab, view_.layout, initial_gen);
+  check(cudaDeviceSynchronize(), "initialising an external loopback workspace");
+  if (!external_[rank]) check(cudaFree(slabs_[rank]), "freeing a loopback workspace");
+  slabs_[rank] = slab;
+  external_[rank] = true;
+  view_.bases[rank] = slab;
 }
 
 int CudaLoopback::add_schedule(const plan::Schedule& schedule) {
@@ -520,7 +595,8 @@ void CudaLoopback::launch(int schedule_id, plan::DType dtype, const plan::Tactic
       make_launch_params(view_, up.programs, dtype, tactic.blocks, tactic.threads, inputs.data(),
                          outputs.data(), numel, signature, first_rank, count);
   DeviceGuard guard(device_);
-  launch_executor(p, stream);
+  for (int r = first_rank; r < first_rank + count; ++r) order_[r].before_call(stream);
+  if (!launch_executor(p, stream)) view_.pdl = false;  // refused: launched plainly, stay plain
 }
 
 std::optional<plan::Diagnostic> CudaLoopback::failure() const { return read_diag(diag_host_); }

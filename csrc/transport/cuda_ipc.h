@@ -9,6 +9,19 @@
 // calls lives in the workspace and is advanced by the kernel itself, so a launch has no host
 // state and can be captured in a CUDA graph and replayed.
 //
+// Calls of one rank are ordered by the stream they are enqueued on; two calls running at once
+// would read the same generation. So when a call arrives on a different stream than the last
+// eager call, run() makes the new stream wait for everything enqueued on the previous one (an
+// event, recorded at the switch). Under CUDA-graph capture nothing is ordered: the stream a
+// graph is replayed on, and what else runs beside it, are the caller's responsibility, exactly
+// as for any captured kernel. The previous stream must still exist when the switch happens.
+//
+// Programmatic dependent launch (sm_90+, on unless PCIE_ALLREDUCE_PDL=0): the kernel may be
+// scheduled while the previous kernel of the stream finishes, and waits for it on the GPU
+// before it touches memory. A PDL launch the driver refuses outside capture is retried plainly
+// and PDL stays off for that workspace; under capture the error propagates (set
+// PCIE_ALLREDUCE_PDL=0 if a driver refuses captured PDL launches).
+//
 // Loopback: N virtual ranks on one GPU in one process, launched as one grid (gridDim.y = ranks),
 // with peer pointers that are plain device pointers. It runs the same kernel, so every schedule
 // can be checked on a single GPU; it measures protocol overhead, not PCIe.
@@ -41,6 +54,7 @@ struct WorkspaceView {
   plan::Diagnostic* diag = nullptr;
   uint32_t* claim = nullptr;
   uint64_t timeout_ns = 0;
+  bool pdl = false;  // launch with programmatic dependent launch (pdl_enabled())
 };
 
 // One schedule's uploaded programs by rank (null where this process runs no such rank).
@@ -58,6 +72,31 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
 
 // Seconds to the kernel's nanoseconds; throws std::invalid_argument if negative or not finite.
 uint64_t timeout_to_ns(double timeout_s);
+
+// Whether launches on `device` (the current device) use programmatic dependent launch: compute
+// capability 9.0 or newer, every executor instantiation compiled for it (a kernel JIT-compiled
+// from older PTX would not wait for the previous grid), and PCIE_ALLREDUCE_PDL is not "0".
+bool pdl_enabled(int device);
+
+// Orders one rank's eager calls across streams (see the top of this file). Not thread-safe,
+// like the workspace that owns it.
+class StreamOrder {
+ public:
+  StreamOrder() = default;
+  ~StreamOrder();
+  StreamOrder(const StreamOrder&) = delete;
+  StreamOrder& operator=(const StreamOrder&) = delete;
+
+  // Before a call is enqueued on `stream` (the owner's device current): if the last eager call
+  // went to another stream, `stream` waits for it. Nothing happens on the same stream, and
+  // nothing while either stream is capturing.
+  void before_call(cudaStream_t stream);
+
+ private:
+  cudaStream_t last_ = nullptr;
+  bool have_last_ = false;
+  cudaEvent_t event_ = nullptr;
+};
 
 // Throws std::runtime_error "CUDA was requested but no CUDA device is visible (...)" when no
 // GPU is usable, and std::invalid_argument when `device` is not one of the visible devices.
@@ -83,7 +122,7 @@ std::optional<std::string> why_kernels_cannot_run(const plan::Tactic& tactic, in
 // host memory. Teardown is collective: close_peers() on every rank, a barrier, release().
 class CudaIpcWorkspace final : public Workspace {
  public:
-  CudaIpcWorkspace(const plan::Layout& layout, int rank, int device, uint32_t initial_gen,
+  CudaIpcWorkspace(const plan::Layout& layout, int rank, int device, uint64_t initial_gen,
                    double timeout_s);
   ~CudaIpcWorkspace() override;  // best-effort close_peers() + release(); never throws
 
@@ -96,8 +135,8 @@ class CudaIpcWorkspace final : public Workspace {
   void probe_write(uint32_t nonce) override;
   std::vector<int> probe_read(uint32_t nonce) const override;
 
-  // Enqueues one all-reduce on call.stream: no host sync, no allocation, no per-call host
-  // state (safe under CUDA-graph capture).
+  // Enqueues one all-reduce on call.stream: no host sync, no allocation (safe under CUDA-graph
+  // capture). A call on another stream than the last eager one is ordered after it.
   void run(const Call& call) override;
   // The record a failed kernel left in mapped host memory; nullopt if none.
   std::optional<plan::Diagnostic> failure() const override;
@@ -117,12 +156,13 @@ class CudaIpcWorkspace final : public Workspace {
   std::array<uint8_t*, plan::kMaxWorld> opened_{};  // peers' slabs we mapped
   plan::Diagnostic* diag_host_ = nullptr;
   std::vector<ProgramSet> programs_;
+  StreamOrder order_;
 };
 
 // N virtual ranks on one GPU in one process (tests and the device check program).
 class CudaLoopback {
  public:
-  CudaLoopback(const plan::Layout& layout, int device, uint32_t initial_gen, double timeout_s);
+  CudaLoopback(const plan::Layout& layout, int device, uint64_t initial_gen, double timeout_s);
   ~CudaLoopback();
   CudaLoopback(const CudaLoopback&) = delete;
   CudaLoopback& operator=(const CudaLoopback&) = delete;
@@ -136,6 +176,8 @@ class CudaLoopback {
   // indexed by rank (size world; withheld ranks' entries are ignored). All CTAs of the launch
   // wait on each other, so they must be resident at once: throws std::runtime_error otherwise.
   // The call itself must meet Call's contract (transport/workspace.h); it is not re-checked.
+  // Each virtual rank's calls are ordered across streams like a real rank's; launches of
+  // disjoint ranks on different streams run concurrently (the failure tests rely on it).
   void launch(int schedule_id, plan::DType dtype, const plan::Tactic& tactic,
               const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
               int64_t numel, uint32_t signature, cudaStream_t stream, int first_rank = 0,
@@ -143,6 +185,15 @@ class CudaLoopback {
 
   // The most CTAs of this kernel the GPU keeps resident at once (blocks × ranks must fit).
   int max_resident_blocks(plan::DType dtype, plan::Direction direction, int threads) const;
+
+  // Whether launches use programmatic dependent launch (pdl_enabled(), and no refusal yet).
+  bool pdl() const { return view_.pdl; }
+
+  // Replaces virtual rank `rank`'s slab with `slab` (device-addressable, layout.total_bytes,
+  // e.g. mapped pinned host memory so that its flags and data cross PCIe) and initialises it
+  // at `initial_gen`. The caller keeps ownership and frees it after this object. Every rank's
+  // generation must agree: call it before the first launch, with the constructor's value.
+  void use_external_slab(int rank, uint8_t* slab, uint64_t initial_gen);
 
   std::optional<plan::Diagnostic> failure() const;
   const plan::Layout& layout() const { return view_.layout; }
@@ -159,8 +210,10 @@ class CudaLoopback {
   int device_ = 0;
   ResidencyTable residency_;
   std::array<uint8_t*, plan::kMaxWorld> slabs_{};
+  std::array<bool, plan::kMaxWorld> external_{};  // slabs_[r] belongs to the caller
   plan::Diagnostic* diag_host_ = nullptr;
   std::vector<Uploaded> schedules_;
+  std::array<StreamOrder, plan::kMaxWorld> order_;  // per virtual rank
 };
 
 }  // namespace pcie_ar::transport

@@ -1,5 +1,5 @@
 // host_shm: how the plan executor runs over POSIX shared memory. The protocol itself (flags,
-// generations, parity double buffer, diagnostics, the flag refresh) is plan/protocol.h and the
+// LL words, generations, parity double buffer, diagnostics) is plan/protocol.h and the
 // arithmetic is host_reduce.h; this file only maps memory, moves 16-byte vectors and polls
 // flags.
 #include "transport/host_shm.h"
@@ -32,6 +32,12 @@ using plan::StepKind;
 // Peers are separate processes: the flag protocol is only sound if these atomics never fall
 // back to a process-local lock.
 static_assert(std::atomic_ref<uint32_t>::is_always_lock_free);
+static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
+
+// LL operands are decoded into (and LL destinations encoded from) tiles of this many vectors
+// on the stack: 1 KiB of payload, in L1 while the reduce uses it.
+constexpr int64_t kLLTileVecs = 64;
+constexpr int kWordsPerVec = plan::kVectorBytes / sizeof(uint32_t);  // one LL word per payload word
 
 // A few hundred polls cover a peer that is already running on another core; past that the peer
 // is probably waiting for our core (CI runs 8 ranks on 2), so give it away.
@@ -250,23 +256,23 @@ struct WaitBudget {
             std::chrono::duration<double>(bounded ? timeout_s : 0.0))) {}
 };
 
-// Polls `flag_gen` until it reaches `gen`: spins briefly, then yields (ranks may outnumber
-// cores). Returns the last value seen, which has not reached `gen` only if the budget ran out.
-uint32_t await_generation(const std::atomic_ref<uint32_t>& flag_gen, uint32_t gen,
-                          const WaitBudget& budget) {
-  uint32_t seen = flag_gen.load(std::memory_order_acquire);
-  for (int poll = 0; !plan::gen_reached(seen, gen) && poll < kSpinPolls; ++poll) {
+// Polls `load()` until `done(value)`: spins briefly, then yields (ranks may outnumber cores).
+// Returns the last value seen, which is not done only if the budget ran out.
+template <typename Load, typename Done>
+auto await_value(const Load& load, const Done& done, const WaitBudget& budget) {
+  auto seen = load();
+  for (int poll = 0; !done(seen) && poll < kSpinPolls; ++poll) {
     cpu_relax();
-    seen = flag_gen.load(std::memory_order_acquire);
+    seen = load();
   }
-  if (plan::gen_reached(seen, gen)) return seen;
+  if (done(seen)) return seen;
   const auto deadline = std::chrono::steady_clock::now() + budget.timeout;
-  for (int poll = 1; !plan::gen_reached(seen, gen); ++poll) {
+  for (int poll = 1; !done(seen); ++poll) {
     sched_yield();
-    seen = flag_gen.load(std::memory_order_acquire);
+    seen = load();
     if (budget.bounded && poll % kPollsPerClockCheck == 0 &&
         std::chrono::steady_clock::now() >= deadline) {
-      return flag_gen.load(std::memory_order_acquire);  // one last look
+      return load();  // one last look
     }
   }
   return seen;
@@ -287,11 +293,12 @@ class BlockPass {
         block_(block),
         budget_(budget) {
     // The generation lives in the workspace and only this executor advances it.
-    const uint32_t gen =
-        std::atomic_ref<uint32_t>(counter(block)).load(std::memory_order_relaxed) + 1;
+    const uint64_t gen =
+        std::atomic_ref<uint64_t>(counter(block)).load(std::memory_order_relaxed) + 1;
     at_ = plan::CallPosition{static_cast<uint32_t>(rank), static_cast<uint32_t>(block), gen,
                              static_cast<uint32_t>(call.numel), call.signature};
     parity_ = plan::gen_parity(gen);
+    tag_ = plan::ll_tag(gen, at_.numel, at_.signature);
     num_vecs_ = call.numel * plan::dtype_bytes(call.dtype) / plan::kVectorBytes;
   }
 
@@ -300,7 +307,7 @@ class BlockPass {
       const Step& step = program_.steps[index];
       switch (step.kind) {
         case StepKind::kReduce:
-          run_reduce(step, reduce);
+          run_reduce(index, step, reduce);
           break;
         case StepKind::kSignal:
           raise_flag(step);
@@ -312,22 +319,17 @@ class BlockPass {
     }
   }
 
-  // The flag refresh of plan/protocol.h: our counters and own flags of this parity in this
-  // block's residue class take this generation.
+  // End of the call (plan/protocol.h): the counters of this block's residue class take this
+  // generation. Flags need nothing.
   void finish_call() const {
-    uint8_t* own = bases_[rank_];
     for (int other = block_; other < layout_.max_blocks; other += call_.blocks) {
-      std::atomic_ref<uint32_t>(counter(other)).store(at_.gen, std::memory_order_relaxed);
-      for (int f = 0; f < layout_.num_flags; ++f) {
-        auto* word = reinterpret_cast<FlagWord*>(own + layout_.flag_offset(parity_, other, f));
-        std::atomic_ref<uint32_t>(word->gen).store(at_.gen, std::memory_order_relaxed);
-      }
+      std::atomic_ref<uint64_t>(counter(other)).store(at_.gen, std::memory_order_relaxed);
     }
   }
 
  private:
-  uint32_t& counter(int block) const {
-    return *reinterpret_cast<uint32_t*>(bases_[rank_] + layout_.gen_counter_offset(block));
+  uint64_t& counter(int block) const {
+    return *reinterpret_cast<uint64_t*>(bases_[rank_] + layout_.gen_counter_offset(block));
   }
 
   uint8_t* resolve(const BufRef& ref, int64_t first_vec) const {
@@ -342,8 +344,19 @@ class BlockPass {
       case Space::kSlot:
         base = bases_[ref.owner] + layout_.slot_offset(parity_, ref.slot);
         break;
+      case Space::kLL:
+        return bases_[ref.owner] + layout_.ll_slot_offset(parity_, ref.slot) +
+               first_vec * plan::kVectorBytes * plan::kLLExpansion;
     }
     return base + first_vec * plan::kVectorBytes;
+  }
+
+  static bool touches_ll(const Step& step) {
+    if (step.dst.space == Space::kLL) return true;
+    for (int s = 0; s < step.num_srcs; ++s) {
+      if (step.srcs[s].space == Space::kLL) return true;
+    }
+    return false;
   }
 
   FlagWord* flag_word(const Step& step) const {
@@ -351,35 +364,128 @@ class BlockPass {
                                        layout_.flag_offset(parity_, block_, step.flag));
   }
 
-  void run_reduce(const Step& step, ReduceFn reduce) const {
+  void run_reduce(int index, const Step& step, ReduceFn reduce) const {
     const plan::VecRange range =
         plan::slice_range(num_vecs_, program_.num_chunks, step.chunk, call_.blocks, block_);
-    const int64_t count = range.end - range.begin;
-    if (count <= 0) return;
+    if (range.end <= range.begin) return;
+    if (touches_ll(step)) {
+      for (int64_t v = range.begin; v < range.end; v += kLLTileVecs) {
+        run_ll_tile(index, step, reduce, v, std::min(kLLTileVecs, range.end - v));
+      }
+      return;
+    }
     uint8_t* dst = resolve(step.dst, range.begin);
     const uint8_t* srcs[plan::kMaxSources];
     for (int s = 0; s < step.num_srcs; ++s) srcs[s] = resolve(step.srcs[s], range.begin);
-    if (step.num_srcs == 1) {
-      // A copy moves bits untouched (NaN payloads included); in-place is a no-op.
+    combine(dst, srcs, step.num_srcs, range.end - range.begin, reduce);
+  }
+
+  // dst = the sum of srcs; a copy moves bits untouched (NaN payloads included), in place is a
+  // no-op.
+  static void combine(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t count,
+                      ReduceFn reduce) {
+    if (num_srcs == 1) {
       if (dst != srcs[0]) std::memmove(dst, srcs[0], count * plan::kVectorBytes);
     } else {
-      reduce(dst, srcs, step.num_srcs, count);
+      reduce(dst, srcs, num_srcs, count);
     }
+  }
+
+  // One tile of a reduce that touches LL slots: every LL operand is awaited and decoded into a
+  // stack tile (and its tags reset), the sum is formed as usual, and an LL destination is
+  // written tagged. A single-operand step decodes or encodes in one pass.
+  void run_ll_tile(int index, const Step& step, ReduceFn reduce, int64_t first,
+                   int64_t count) const {
+    alignas(64) uint8_t decoded[plan::kMaxSources][kLLTileVecs * plan::kVectorBytes];
+    alignas(64) uint8_t summed[kLLTileVecs * plan::kVectorBytes];
+    const bool ll_dst = step.dst.space == Space::kLL;
+    const bool copy = step.num_srcs == 1;
+    uint8_t* out = ll_dst ? summed : resolve(step.dst, first);
+    const uint8_t* srcs[plan::kMaxSources];
+    for (int s = 0; s < step.num_srcs; ++s) {
+      const BufRef& src = step.srcs[s];
+      if (src.space != Space::kLL) {
+        srcs[s] = resolve(src, first);
+        continue;
+      }
+      uint8_t* into = copy && !ll_dst ? out : decoded[s];
+      await_ll(index, step, src, resolve(src, first), into, count);
+      srcs[s] = into;
+    }
+    if (copy && ll_dst) {
+      store_ll(srcs[0], resolve(step.dst, first), count);
+      return;
+    }
+    if (!(copy && srcs[0] == out)) combine(out, srcs, step.num_srcs, count, reduce);
+    if (ll_dst) store_ll(out, resolve(step.dst, first), count);
+  }
+
+  // Writes `count` payload vectors as LL words: one 64-bit release store per payload word (a
+  // plain store on x86), so a reader that sees the tag sees the payload beside it.
+  void store_ll(const uint8_t* payload, uint8_t* ll, int64_t count) const {
+    const auto* words = reinterpret_cast<const uint32_t*>(payload);
+    auto* out = reinterpret_cast<uint64_t*>(ll);
+    for (int64_t i = 0; i < count * kWordsPerVec; ++i) {
+      std::atomic_ref<uint64_t>(out[i]).store(plan::ll_word(words[i], tag_),
+                                              std::memory_order_release);
+    }
+  }
+
+  // Waits for `count` payload vectors of LL slot `src` (this rank's memory, at `ll`), copies
+  // their payload to `payload`, and resets each word's tag to the stale parity.
+  void await_ll(int index, const Step& step, const BufRef& src, uint8_t* ll, uint8_t* payload,
+                int64_t count) const {
+    auto* words = reinterpret_cast<uint64_t*>(ll);
+    auto* out = reinterpret_cast<uint32_t*>(payload);
+    const uint64_t stale = plan::ll_word(0, plan::ll_stale(tag_));
+    // The writer stores the tile in order: wait for its last word first, so this core does not
+    // chase the writer's core cache line by cache line. Every word is still checked below.
+    const int64_t last = count * kWordsPerVec - 1;
+    if (plan::ll_word_tag(std::atomic_ref<uint64_t>(words[last]).load(std::memory_order_acquire)) !=
+        tag_) {
+      await_ll_word(index, step, src, std::atomic_ref<uint64_t>(words[last]));
+    }
+    for (int64_t i = 0; i <= last; ++i) {
+      const std::atomic_ref<uint64_t> word(words[i]);
+      uint64_t seen = word.load(std::memory_order_acquire);
+      if (plan::ll_word_tag(seen) != tag_) seen = await_ll_word(index, step, src, word);
+      out[i] = plan::ll_word_payload(seen);
+      word.store(stale, std::memory_order_relaxed);
+    }
+  }
+
+  uint64_t await_ll_word(int index, const Step& step, const BufRef& src,
+                         const std::atomic_ref<uint64_t>& word) const {
+    const uint32_t expected = tag_;
+    const uint64_t seen = await_value([&] { return word.load(std::memory_order_acquire); },
+                                      [expected](uint64_t w) {
+                                        const uint32_t tag = plan::ll_word_tag(w);
+                                        return tag == expected || plan::ll_foreign(tag, expected);
+                                      },
+                                      budget_);
+    const uint32_t tag = plan::ll_word_tag(seen);
+    if (tag == expected) return seen;
+    const auto kind = plan::ll_foreign(tag, expected) ? plan::FailureKind::kLLMismatch
+                                                      : plan::FailureKind::kLLTimeout;
+    fail(plan::make_ll_diagnostic(kind, at_, index, step, src, tag, expected));
   }
 
   void raise_flag(const Step& step) const {
     FlagWord* flag = flag_word(step);
     std::atomic_ref<uint32_t>(flag->numel).store(at_.numel, std::memory_order_relaxed);
     std::atomic_ref<uint32_t>(flag->signature).store(at_.signature, std::memory_order_relaxed);
-    std::atomic_ref<uint32_t>(flag->writer).store(at_.rank, std::memory_order_relaxed);
     // Release: the payload stores above (data and call identity) happen-before any reader
     // that acquires this generation.
-    std::atomic_ref<uint32_t>(flag->gen).store(at_.gen, std::memory_order_release);
+    std::atomic_ref<uint64_t>(flag->gen).store(at_.gen, std::memory_order_release);
   }
 
   void wait_flag(int index, const Step& step) const {
     FlagWord* flag = flag_word(step);
-    plan::FlagSeen seen{await_generation(std::atomic_ref<uint32_t>(flag->gen), at_.gen, budget_)};
+    const std::atomic_ref<uint64_t> gen(flag->gen);
+    const uint64_t expected = at_.gen;
+    plan::FlagSeen seen{
+        await_value([&] { return gen.load(std::memory_order_acquire); },
+                    [expected](uint64_t g) { return plan::gen_reached(g, expected); }, budget_)};
     if (!plan::gen_reached(seen.gen, at_.gen)) {
       fail(plan::make_diagnostic(plan::FailureKind::kTimeout, at_, index, step, seen));
     }
@@ -404,6 +510,7 @@ class BlockPass {
   const WaitBudget& budget_;
   plan::CallPosition at_{};
   int parity_ = 0;
+  uint32_t tag_ = 0;  // every LL word of this call carries it
   int64_t num_vecs_ = 0;
 };
 

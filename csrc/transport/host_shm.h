@@ -27,8 +27,7 @@ namespace pcie_ar::transport {
 // the mapping for as long as it lives).
 class HostShmWorkspace final : public Workspace {
  public:
-  // The host walks a rank's slices in turn on one thread, so a few are plenty; and every call
-  // refreshes the flags of all its blocks, so fewer blocks make every call cheaper.
+  // The host walks a rank's slices in turn on one thread, so a few are plenty.
   static constexpr int kMaxBlocks = 8;
 
   // Creates this rank's segment with a unique name ("/pcie_ar.<pid>.<64-bit random hex>.r<rank>"),

@@ -46,7 +46,8 @@ class TransportFailure : public std::runtime_error {
 // One all-reduce. The communicator's admission guarantees what run() assumes and does not
 // check again: `program` came from add_program(); the tactic passed why_not(); dtype fits the
 // layout's elements; 0 < numel <= layout.max_numel and numel * dtype bytes is a multiple of 16;
-// input and output are 16-byte aligned and either the same buffer (in place) or disjoint.
+// input and output are 16-byte aligned and either the same buffer (in place) or disjoint; an LL
+// program's message fits layout.ll_capacity_bytes.
 struct Call {
   int program = -1;  // id from add_program()
   plan::DType dtype = plan::DType::kBF16;

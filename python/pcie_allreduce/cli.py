@@ -22,21 +22,28 @@ def _summaries(world: int, island_of: List[int]) -> List[Dict[str, Any]]:
             continue
         for direction in ("push", "pull"):
             for staged in (True, False):
-                s = _C.build_schedule(algorithm, world, island_of, direction, staged)
-                v = s.verify()
-                rows.append(
-                    {
-                        "algorithm": algorithm,
-                        "direction": direction,
-                        "staged": staged,
-                        "supported": True,
-                        "verified": v["ok"],
-                        "stages": v["num_stages"],
-                        "max_outbound_per_stage": v["max_outbound_per_stage"],
-                        "max_inbound_per_stage": v["max_inbound_per_stage"],
-                        "cross_island_elements": v["cross_island_elements"],
-                    }
-                )
+                for protocol in ("flag", "ll"):
+                    if _C.why_unsupported(algorithm, world, island_of, direction, staged,
+                                          protocol) is not None:
+                        continue  # LL is push-only and unstaged
+                    s = _C.build_schedule(algorithm, world, island_of, direction, staged,
+                                          protocol)
+                    v = s.verify()
+                    rows.append(
+                        {
+                            "algorithm": algorithm,
+                            "direction": direction,
+                            "staged": staged,
+                            "protocol": protocol,
+                            "supported": True,
+                            "verified": v["ok"],
+                            "stages": v["num_stages"],
+                            "max_outbound_per_stage": v["max_outbound_per_stage"],
+                            "max_inbound_per_stage": v["max_inbound_per_stage"],
+                            "cross_island_elements": v["cross_island_elements"],
+                            "cost": v["cost"],
+                        }
+                    )
     return rows
 
 
@@ -71,16 +78,21 @@ def _topo_report(topo: Any) -> Dict[str, Any]:
 
 
 def _print_schedules(rows: List[Dict[str, Any]]) -> None:
-    print(f"{'algorithm':<16}{'dir':<6}{'staged':<8}{'ok':<4}{'stages':>7}{'out/stage':>11}"
-          f"{'in/stage':>10}{'cross-island (xN each way)':>28}")
+    """One line per schedule; the cost columns are per call and CTA for the worst rank:
+    system fences, waits polling a peer, local wait rounds, LL operands polled, fabric hops."""
+    print(f"{'algorithm':<16}{'dir':<6}{'staged':<8}{'proto':<6}{'ok':<4}{'stages':>7}"
+          f"{'out/stage':>10}{'in/stage':>9}{'xisland':>8}"
+          f"{'fences':>8}{'peerpoll':>9}{'waits':>6}{'llpoll':>7}{'hops':>5}")
     for r in rows:
         if not r["supported"]:
             print(f"{r['algorithm']:<16}-- {r['reason']}")
             continue
+        c = r["cost"]
         print(f"{r['algorithm']:<16}{r['direction']:<6}{str(r['staged']).lower():<8}"
-              f"{'yes' if r['verified'] else 'NO':<4}{r['stages']:>7}"
-              f"{r['max_outbound_per_stage']:>11}{r['max_inbound_per_stage']:>10}"
-              f"{r['cross_island_elements']:>28g}")
+              f"{r['protocol']:<6}{'yes' if r['verified'] else 'NO':<4}{r['stages']:>7}"
+              f"{r['max_outbound_per_stage']:>10}{r['max_inbound_per_stage']:>9}"
+              f"{r['cross_island_elements']:>8g}{c['system_fences']:>8}{c['peer_polls']:>9}"
+              f"{c['local_waits']:>6}{c['data_polls']:>7}{c['fabric_hops']:>5}")
 
 
 def _print_topo(topo: Any, report: Dict[str, Any]) -> None:

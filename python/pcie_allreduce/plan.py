@@ -3,6 +3,8 @@
 >>> s = build("island_twoshot", 8, islands=[[0, 1, 2, 3], [4, 5, 6, 7]])
 >>> s.verify()["cross_island_elements"]
 1.0
+>>> build("oneshot", 8, staged=False, protocol="ll").cost()["system_fences"]
+0
 """
 
 from __future__ import annotations
@@ -38,12 +40,26 @@ def build(
     islands: Optional[Sequence[Sequence[int]]] = None,
     direction: str = "push",
     staged: bool = True,
+    protocol: str = "flag",
 ) -> "_C.Schedule":
-    """A schedule for `algorithm` on `world` ranks; ValueError says why one cannot be built."""
-    return _C.build_schedule(algorithm, world, island_map(world, islands), direction, staged)
+    """A schedule for `algorithm` on `world` ranks; ValueError says why one cannot be built.
+
+    protocol="ll" builds the flag-in-data variant (push, unstaged): no fences, no flag words,
+    every reader polls only its own memory. `.cost()` on the result counts what each rank pays.
+    """
+    return _C.build_schedule(
+        algorithm, world, island_map(world, islands), direction, staged, protocol
+    )
 
 
 def why_unsupported(
-    algorithm: str, world: int, islands: Optional[Sequence[Sequence[int]]] = None
+    algorithm: str,
+    world: int,
+    islands: Optional[Sequence[Sequence[int]]] = None,
+    direction: str = "push",
+    staged: bool = False,
+    protocol: str = "flag",
 ) -> Optional[str]:
-    return _C.why_unsupported(algorithm, world, island_map(world, islands))
+    return _C.why_unsupported(
+        algorithm, world, island_map(world, islands), direction, staged, protocol
+    )

@@ -506,18 +506,10 @@ std::string describe_call(const Workload& w, int index) {
 // Every tactic the builders accept for this world and island map.
 std::vector<TacticCase> all_tactics(int world, const std::vector<int>& island_of) {
   std::vector<TacticCase> tactics;
-  for (Algorithm algorithm : plan::kAllAlgorithms) {
-    if (plan::why_unsupported(algorithm, world, island_of)) continue;
-    for (Direction direction : {Direction::kPush, Direction::kPull}) {
-      for (bool staged : {true, false}) {
-        TacticCase t;
-        t.tactic.algorithm = algorithm;
-        t.tactic.direction = direction;
-        t.tactic.staged = staged;
-        t.schedule = plan::build_schedule(algorithm, direction, staged, world, island_of);
-        tactics.push_back(std::move(t));
-      }
-    }
+  for (const plan::Tactic& tactic : plan::buildable_tactics(world, island_of)) {
+    tactics.push_back(
+        TacticCase{tactic, plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged,
+                                                world, island_of, tactic.protocol)});
   }
   return tactics;
 }
@@ -704,9 +696,14 @@ TEST(HostShm, LargeMessagesAtMaxNumelAreCorrect) {
   w.tactics = all_tactics(w.world, w.island_of);
   uint64_t seed = 77;
   int n = 0;
+  // LL tactics carry at most the LL slots' capacity: they run at exactly that size.
+  const int64_t ll_capacity = plan::make_layout(kMaxNumel, w.world, 4).ll_capacity_bytes;
+  ASSERT_LT(ll_capacity, kMaxNumel * 4);
   for (int t = 0; t < static_cast<int>(w.tactics.size()); ++t) {
     const DType dtype = plan::kAllDTypes[t % 3];
-    w.calls.push_back(CallCase{t, dtype, kMaxNumel, 1 + (n % 4) * 3, n % 2 == 1, ++seed});
+    const bool ll = w.tactics[t].tactic.protocol == plan::Protocol::kLL;
+    const int64_t numel = ll ? ll_capacity / plan::dtype_bytes(dtype) : kMaxNumel;
+    w.calls.push_back(CallCase{t, dtype, numel, 1 + (n % 4) * 3, n % 2 == 1, ++seed});
     ++n;
   }
   w.calls.push_back(CallCase{0, DType::kBF16, kMaxNumel - 8, 7, false, ++seed});
@@ -769,8 +766,10 @@ TEST(HostShm, GenerationWrapAroundIsSeamless) {
 // report (the body returns normally).
 void timed_call(HostShmWorkspace& ws, ChildEnv& env, const plan::Tactic& tactic, int world,
                 int64_t numel) {
-  const int program = ws.add_program(plan::encode_program(
-      plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, world), env.rank));
+  const int program = ws.add_program(
+      plan::encode_program(plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged,
+                                                world, {}, tactic.protocol),
+                           env.rank));
   std::vector<float> data(static_cast<size_t>(numel));
   for (int64_t i = 0; i < numel; ++i) data[i] = input_value(9, env.rank, i, DType::kFP32);
   std::vector<float> out(data.size());
@@ -793,37 +792,52 @@ void timed_call(HostShmWorkspace& ws, ChildEnv& env, const plan::Tactic& tactic,
   }
 }
 
-plan::Tactic make_tactic(Algorithm algorithm, Direction direction, bool staged, int blocks = 1) {
+plan::Tactic make_tactic(Algorithm algorithm, Direction direction, bool staged, int blocks = 1,
+                         plan::Protocol protocol = plan::Protocol::kFlag) {
   plan::Tactic t;
   t.algorithm = algorithm;
   t.direction = direction;
   t.staged = staged;
+  t.protocol = protocol;
   t.blocks = blocks;
   return t;
+}
+
+plan::Tactic ll_tactic(Algorithm algorithm, int blocks = 1) {
+  return make_tactic(algorithm, Direction::kPush, false, blocks, plan::Protocol::kLL);
+}
+
+// Rank 2 of a world-3 group: mapped, then silent until ranks 0 and 1 have given up (at most
+// 15 s), so they can only time out waiting for it.
+void stay_silent_while_others_run(ChildEnv& env) {
+  const double deadline = now_s() + 15.0;
+  while (now_s() < deadline &&
+         (outcome_of(env.arena, 0) == kRunning || outcome_of(env.arena, 1) == kRunning)) {
+    usleep(1000);
+  }
 }
 
 constexpr double kShortTimeoutS = 0.5;
 // Two cores and up to eight processes: a failing call may end a little after its deadline.
 constexpr double kSchedulingSlackS = 2.5;
 
-TEST(HostShm, TimeoutNamesThePeerThatNeverCalled) {
-  constexpr uint32_t kInitialGen = 41;
+// A group whose waits give up after kShortTimeoutS, its first call at initial_gen + 1.
+GroupSpec short_timeout_group(int world, uint32_t initial_gen) {
   GroupSpec spec;
-  spec.world = 3;
-  spec.layout = plan::make_layout(256, 3, 4);
-  spec.initial_gen = kInitialGen;
+  spec.world = world;
+  spec.layout = plan::make_layout(256, world, 4);
+  spec.initial_gen = initial_gen;
   spec.timeout_s = kShortTimeoutS;
   spec.deadline_s = 20.0;
+  return spec;
+}
+
+TEST(HostShm, TimeoutNamesThePeerThatNeverCalled) {
+  constexpr uint32_t kInitialGen = 41;
+  const GroupSpec spec = short_timeout_group(3, kInitialGen);
   const auto tactic = make_tactic(Algorithm::kOneshot, Direction::kPush, false);
   const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
-    if (env.rank == 2) {  // mapped, then silent until the others have given up
-      const double deadline = now_s() + 15.0;
-      while (now_s() < deadline &&
-             (outcome_of(env.arena, 0) == kRunning || outcome_of(env.arena, 1) == kRunning)) {
-        usleep(1000);
-      }
-      return;
-    }
+    if (env.rank == 2) return stay_silent_while_others_run(env);
     timed_call(ws, env, tactic, 3, 64);
   });
   expect_clean(g);
@@ -913,7 +927,11 @@ void expect_disagreement_fails(int world, const std::vector<plan::Tactic>& tacti
       EXPECT_EQ(rep.diagnostic.peer_signature, plan::call_signature(DType::kFP32, tactic_of[peer]));
       EXPECT_NE(std::string(rep.message).find("disagree"), std::string::npos);
     } else {
-      EXPECT_EQ(rep.diagnostic.kind, static_cast<uint32_t>(plan::FailureKind::kTimeout));
+      // An LL reader waits for data instead of a flag: it times out (or sees a foreign tag).
+      const auto kind = static_cast<plan::FailureKind>(rep.diagnostic.kind);
+      EXPECT_TRUE(kind == plan::FailureKind::kTimeout || kind == plan::FailureKind::kLLTimeout ||
+                  kind == plan::FailureKind::kLLMismatch)
+          << rep.message;
     }
   }
   if (expect_mismatch) {
@@ -934,6 +952,91 @@ TEST(HostShm, DifferentAlgorithmsOnTwoRanksFailWithinTheTimeout) {
   expect_disagreement_fails(3, {oneshot, twoshot, oneshot}, {64, 64, 64}, false);
   const auto pull = make_tactic(Algorithm::kOneshot, Direction::kPull, false);
   expect_disagreement_fails(2, {oneshot, pull}, {64, 64}, false);
+}
+
+TEST(HostShm, LLTimeoutNamesTheWriterThatNeverCalled) {
+  constexpr uint32_t kInitialGen = 0xFFFFFFFFu;  // the first call's tag crosses 2^32
+  const GroupSpec spec = short_timeout_group(3, kInitialGen);
+  const auto tactic = ll_tactic(Algorithm::kOneshot);
+  const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
+    if (env.rank == 2) return stay_silent_while_others_run(env);
+    timed_call(ws, env, tactic, 3, 64);
+  });
+  expect_clean(g);
+  for (int r = 0; r < 2; ++r) {
+    const RankReport& rep = g.reports[r];
+    SCOPED_TRACE(describe_child(g, r));
+    ASSERT_EQ(rep.error_type, kTransportError);
+    EXPECT_EQ(rep.diagnostic.kind, static_cast<uint32_t>(plan::FailureKind::kLLTimeout));
+    EXPECT_EQ(rep.diagnostic.peer, 2u);  // the only rank whose data never lands
+    EXPECT_EQ(rep.diagnostic.flag_owner, static_cast<uint32_t>(r));
+    EXPECT_EQ(rep.diagnostic.gen_expected, uint64_t{kInitialGen} + 1);
+    EXPECT_EQ(
+        rep.diagnostic.peer_signature,
+        plan::ll_tag(uint64_t{kInitialGen} + 1, 64, plan::call_signature(DType::kFP32, tactic)));
+    EXPECT_NE(std::string(rep.message).find("waiting for rank 2's data in LL slot 2"),
+              std::string::npos)
+        << rep.message;
+    EXPECT_GE(rep.failure_elapsed_s, kShortTimeoutS * 0.9);
+    EXPECT_LE(rep.failure_elapsed_s, kShortTimeoutS + kSchedulingSlackS);
+    EXPECT_EQ(rep.scenario_ok, 1) << "a call after the failure was not refused at once";
+  }
+}
+
+TEST(HostShm, LLCallsThatDisagreeAreAMismatchNotGarbage) {
+  // Same generation, different numel: the tags differ, so the reader refuses the data at once.
+  GroupSpec spec;
+  spec.world = 2;
+  spec.layout = plan::make_layout(1024, 2, 4);
+  spec.timeout_s = kShortTimeoutS;
+  spec.deadline_s = 20.0;
+  const auto tactic = ll_tactic(Algorithm::kOneshot);
+  const int64_t numel_of[] = {64, 128};
+  const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
+    timed_call(ws, env, tactic, 2, numel_of[env.rank]);
+  });
+  expect_clean(g);
+  int mismatches = 0;
+  for (int r = 0; r < 2; ++r) {
+    const RankReport& rep = g.reports[r];
+    SCOPED_TRACE(describe_child(g, r));
+    ASSERT_EQ(rep.error_type, kTransportError);
+    EXPECT_LE(rep.failure_elapsed_s, kShortTimeoutS + kSchedulingSlackS);
+    if (rep.diagnostic.kind == static_cast<uint32_t>(plan::FailureKind::kLLMismatch)) {
+      ++mismatches;
+      EXPECT_EQ(rep.diagnostic.peer, static_cast<uint32_t>(1 - r));
+      EXPECT_NE(std::string(rep.message).find("disagree"), std::string::npos) << rep.message;
+    } else {
+      EXPECT_EQ(rep.diagnostic.kind, static_cast<uint32_t>(plan::FailureKind::kLLTimeout));
+    }
+  }
+  EXPECT_GE(mismatches, 1);
+  // An LL rank and a flag rank in one generation: nobody reduces garbage, both fail in time.
+  expect_disagreement_fails(
+      2,
+      {ll_tactic(Algorithm::kOneshot), make_tactic(Algorithm::kOneshot, Direction::kPush, false)},
+      {64, 64}, false);
+}
+
+TEST(HostShm, LLAndFlagTacticsInterleaveAcrossManyCallsOfChangingSize) {
+  // Large LL calls leave words far into the slots that the small calls in between never touch;
+  // every read resets its words, so nothing stale is taken for data when a large call returns.
+  Workload w;
+  w.world = 3;
+  w.tactics = all_tactics(3, {});
+  std::vector<int> ll_index;
+  for (int t = 0; t < static_cast<int>(w.tactics.size()); ++t) {
+    if (w.tactics[t].tactic.protocol == plan::Protocol::kLL) ll_index.push_back(t);
+  }
+  ASSERT_EQ(ll_index.size(), 2u);  // oneshot and twoshot
+  for (int i = 0; i < 60; ++i) {
+    const bool large = i % 10 == 0;
+    const int tactic =
+        i % 3 == 2 ? i % static_cast<int>(w.tactics.size()) : ll_index[i % ll_index.size()];
+    w.calls.push_back(CallCase{tactic, plan::kAllDTypes[i % 3], large ? 1024 : 8 * (1 + i % 4),
+                               1 + i % 4, i % 5 == 4, 7000 + static_cast<uint64_t>(i)});
+  }
+  run_and_check(w, 1024, 0xFFFFFFFFu - 30);
 }
 
 // A sum with +0.0 must give back every fp16 and bf16 value exactly (-0 becomes +0, NaN stays

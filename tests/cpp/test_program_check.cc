@@ -44,25 +44,22 @@ TEST(ProgramCheck, EveryBuiltProgramPassesAndPushProgramsReadOnlyLocalMemory) {
   for (int world = 2; world <= kMaxWorld; ++world) {
     const Layout layout = make_layout(1 << 16, world, 4);
     for (const std::vector<int>& islands : island_maps(world)) {
-      for (Algorithm algorithm : kAllAlgorithms) {
-        if (why_unsupported(algorithm, world, islands)) continue;
-        for (Direction direction : {Direction::kPush, Direction::kPull}) {
-          for (bool staged : {true, false}) {
-            const Schedule schedule = build_schedule(algorithm, direction, staged, world, islands);
-            for (int r = 0; r < world; ++r) {
-              const Program program = encode_program(schedule, r);
-              EXPECT_EQ(program.direction, direction);
-              const ProgramFacts facts = check_program(program, layout, r);
-              // The push kernel reads every operand as local memory; a pull program only
-              // ever writes its own slots.
-              if (direction == Direction::kPush) {
-                EXPECT_FALSE(facts.loads_peer_slots);
-              } else {
-                EXPECT_FALSE(facts.stores_peer_slots);
-              }
-              ++programs;
-            }
+      for (const Tactic& t : buildable_tactics(world, islands)) {
+        const Schedule schedule =
+            build_schedule(t.algorithm, t.direction, t.staged, world, islands, t.protocol);
+        for (int r = 0; r < world; ++r) {
+          const Program program = encode_program(schedule, r);
+          EXPECT_EQ(program.direction, t.direction);
+          const ProgramFacts facts = check_program(program, layout, r);
+          EXPECT_EQ(facts.uses_ll, t.protocol == Protocol::kLL);
+          // The push kernel reads every operand as local memory; a pull program only
+          // ever writes its own slots.
+          if (t.direction == Direction::kPush) {
+            EXPECT_FALSE(facts.loads_peer_slots);
+          } else {
+            EXPECT_FALSE(facts.stores_peer_slots);
           }
+          ++programs;
         }
       }
     }
@@ -122,6 +119,31 @@ TEST_F(ProgramCheckRejects, SlotsOutsideTheLayout) {
   first(StepKind::kReduce).dst =
       BufRef{Space::kSlot, 0, static_cast<uint8_t>(layout_.num_slots), 0};
   expect_rejects(program_, layout_, 1, "slot 7 of rank 0 is outside the layout (7 slots");
+}
+
+TEST(ProgramCheck, LLProgramsPassAndBadLLRefsAreRefused) {
+  const Layout layout = make_layout(4096, 4, 4);
+  const Schedule s =
+      build_schedule(Algorithm::kOneshot, Direction::kPush, false, 4, {}, Protocol::kLL);
+  Program program = encode_program(s, 1);
+  const ProgramFacts facts = check_program(program, layout, 1);
+  EXPECT_TRUE(facts.uses_ll);
+  EXPECT_TRUE(facts.stores_peer_slots);
+  EXPECT_FALSE(facts.loads_peer_slots);
+  // The final reduce reads rank 1's own LL slots; point one at rank 2's memory.
+  Step& sum = program.steps[program.num_steps - 1];
+  ASSERT_EQ(sum.srcs[0].space, Space::kLL);
+  sum.srcs[0].owner = 2;
+  expect_rejects(program, layout, 1, "reads rank 2's LL slot; an LL reader polls only its own");
+  program = encode_program(s, 1);
+  program.steps[0].dst.writer = 3;  // a delivery that claims another writer
+  expect_rejects(program, layout, 1, "an LL destination names rank 3 as its writer");
+  program = encode_program(s, 1);
+  program.steps[0].dst.slot = static_cast<uint8_t>(layout.num_slots);
+  expect_rejects(program, layout, 1, "is outside the layout");
+  program = encode_program(s, 1);
+  program.direction = Direction::kPull;
+  expect_rejects(program, layout, 1, "the ll protocol is push-only");
 }
 
 TEST_F(ProgramCheckRejects, AnotherRanksTensors) {

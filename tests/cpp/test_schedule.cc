@@ -2,11 +2,13 @@
 // are proven by the verifier, replayed numerically, and encoded for the transports.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
 #include <ostream>
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "plan/layout.h"
@@ -39,19 +41,25 @@ struct Case {
   int world;
   std::vector<int> island_of;
   std::string islands_name;
+  Protocol protocol = Protocol::kFlag;
 };
+
+Schedule build(const Case& c) {
+  return build_schedule(c.algorithm, c.direction, c.staged, c.world, c.island_of, c.protocol);
+}
 
 // Keeps CTest's listing readable (the default prints the parameter's bytes).
 void PrintTo(const Case& c, std::ostream* os) {
   *os << algorithm_name(c.algorithm) << "/" << direction_name(c.direction)
-      << (c.staged ? "/staged" : "/unstaged") << " w" << c.world << " " << c.islands_name;
+      << (c.staged ? "/staged/" : "/unstaged/") << protocol_name(c.protocol) << " w" << c.world
+      << " " << c.islands_name;
 }
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return std::string(algorithm_name(c.algorithm)) + "_" + std::string(direction_name(c.direction)) +
-         (c.staged ? "_staged" : "_unstaged") + "_w" + std::to_string(c.world) + "_" +
-         c.islands_name;
+         (c.staged ? "_staged_" : "_unstaged_") + std::string(protocol_name(c.protocol)) + "_w" +
+         std::to_string(c.world) + "_" + c.islands_name;
 }
 
 // Every combination the builders accept, over flat, split-in-half and interleaved islands.
@@ -65,9 +73,9 @@ std::vector<Case> accepted_cases() {
         if (world >= 4) maps.emplace_back(interleaved(world), "interleaved");
       }
       for (const auto& [island_of, name] : maps) {
-        if (why_unsupported(a, world, island_of)) continue;
-        for (Direction d : {Direction::kPush, Direction::kPull}) {
-          for (bool staged : {false, true}) cases.push_back({a, d, staged, world, island_of, name});
+        for (const Tactic& t : buildable_tactics(world, island_of)) {
+          if (t.algorithm != a) continue;
+          cases.push_back({a, t.direction, t.staged, world, island_of, name, t.protocol});
         }
       }
     }
@@ -93,12 +101,14 @@ class Replay {
                    : std::vector<std::vector<float>>(s.world, std::vector<float>(numel, -999.f));
     slots_.assign(s.world, std::vector<std::vector<float>>(num_slots_for(s.world),
                                                            std::vector<float>(numel, -777.f)));
+    ll_slots_ = slots_;
   }
 
   // Returns false on deadlock.
   bool run() {
     for (int b = 0; b < blocks_; ++b) {
       flags_.clear();
+      EXPECT_TRUE(ll_landed_.empty()) << "LL data left unread";
       std::vector<int> pc(s_.world, 0);
       bool done = false;
       while (!done) {
@@ -109,6 +119,7 @@ class Replay {
           while (pc[r] < p.num_steps) {
             const Step& step = p.steps[pc[r]];
             if (step.kind == StepKind::kWait && !flags_.count({step.flag_owner, step.flag})) break;
+            if (!ll_ready(step)) break;
             execute(r, b, step);
             ++pc[r];
             progress = true;
@@ -131,6 +142,18 @@ class Replay {
   const std::vector<float>& output(int r) const { return in_place_ ? inputs_[r] : outputs_[r]; }
 
  private:
+  // A reduce whose LL operands have all landed (and not yet been consumed).
+  bool ll_ready(const Step& step) const {
+    if (step.kind != StepKind::kReduce) return true;
+    for (int i = 0; i < step.num_srcs; ++i) {
+      const BufRef& src = step.srcs[i];
+      if (src.space == Space::kLL && !ll_landed_.count({src.owner, src.slot, step.chunk})) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   float* resolve(int r, const BufRef& buf) {
     switch (buf.space) {
       case Space::kInput:
@@ -141,6 +164,8 @@ class Replay {
         return in_place_ ? inputs_[r].data() : outputs_[r].data();
       case Space::kSlot:
         return slots_[buf.owner][buf.slot].data();
+      case Space::kLL:
+        return ll_slots_[buf.owner][buf.slot].data();
     }
     return nullptr;
   }
@@ -162,6 +187,17 @@ class Replay {
       for (int k = 1; k < step.num_srcs; ++k) acc += resolve(r, step.srcs[k])[i];
       dst[i] = acc;
     }
+    for (int k = 0; k < step.num_srcs; ++k) {
+      const BufRef& src = step.srcs[k];
+      if (src.space == Space::kLL) {
+        EXPECT_EQ(src.owner, r) << "an LL read polls a peer's memory";
+        ll_landed_.erase({src.owner, src.slot, step.chunk});
+      }
+    }
+    if (step.dst.space == Space::kLL) {
+      EXPECT_TRUE(ll_landed_.insert({step.dst.owner, step.dst.slot, step.chunk}).second)
+          << "an LL slot written twice before it was read";
+    }
   }
 
   const Schedule& s_;
@@ -172,13 +208,15 @@ class Replay {
   std::vector<std::vector<float>> inputs_, original_inputs_, outputs_;
   std::vector<std::vector<std::vector<float>>> slots_;
   std::map<std::pair<int, int>, int> flags_;
+  std::vector<std::vector<std::vector<float>>> ll_slots_;
+  std::set<std::tuple<int, int, int>> ll_landed_;  // (owner, slot, chunk) written, unread
 };
 
 class EveryAcceptedSchedule : public testing::TestWithParam<Case> {};
 
 TEST_P(EveryAcceptedSchedule, VerifiesOutOfPlaceAndInPlace) {
   const Case& c = GetParam();
-  const Schedule s = build_schedule(c.algorithm, c.direction, c.staged, c.world, c.island_of);
+  const Schedule s = build(c);
   for (bool in_place : {false, true}) {
     const Verification v = verify(s, VerifyOptions{in_place});
     EXPECT_TRUE(v.ok) << first_error(v);
@@ -192,7 +230,7 @@ TEST_P(EveryAcceptedSchedule, VerifiesOutOfPlaceAndInPlace) {
 
 TEST_P(EveryAcceptedSchedule, ReplayedStepListsProduceTheSum) {
   const Case& c = GetParam();
-  const Schedule s = build_schedule(c.algorithm, c.direction, c.staged, c.world, c.island_of);
+  const Schedule s = build(c);
   // 4 fp32 per vector; an odd vector count so chunks and slices are uneven.
   for (int blocks : {1, 3}) {
     for (bool in_place : {false, true}) {
@@ -213,7 +251,7 @@ TEST_P(EveryAcceptedSchedule, ReplayedStepListsProduceTheSum) {
 
 TEST_P(EveryAcceptedSchedule, EncodesEveryRank) {
   const Case& c = GetParam();
-  const Schedule s = build_schedule(c.algorithm, c.direction, c.staged, c.world, c.island_of);
+  const Schedule s = build(c);
   for (int r = 0; r < c.world; ++r) {
     const Program p = encode_program(s, r);
     EXPECT_EQ(p.rank, r);
@@ -435,6 +473,132 @@ TEST(Verifier, RejectsAPushScheduleThatReadsPeerMemory) {
   EXPECT_TRUE(mentions(v, "reads peer memory")) << first_error(v);
 }
 
+// ---------------------------------------------------------------- LL and cost
+Schedule ll(Algorithm a, int world, const std::vector<int>& island_of = {}) {
+  return build_schedule(a, Direction::kPush, false, world, island_of, Protocol::kLL);
+}
+
+Step* find_ll_read(Schedule& s, int rank) {
+  for (Step& step : s.programs[rank]) {
+    for (int i = 0; i < step.num_srcs; ++i) {
+      if (step.kind == StepKind::kReduce && step.srcs[i].space == Space::kLL) return &step;
+    }
+  }
+  return nullptr;
+}
+
+TEST(Cost, LLPaysNoFenceNoFlagAndPollsOnlyItsOwnMemory) {
+  for (const Case& c : accepted_cases()) {
+    const Cost cost = verify(build(c)).cost;
+    SCOPED_TRACE(case_name(testing::TestParamInfo<Case>(c, 0)));
+    EXPECT_EQ(cost.peer_polls, 0);  // every flag lives with the rank that waits on it
+    if (c.protocol == Protocol::kLL) {
+      EXPECT_EQ(cost.system_fences, 0);
+      EXPECT_EQ(cost.local_waits, 0);
+      EXPECT_GT(cost.data_polls, 0);
+    } else {
+      EXPECT_GT(cost.system_fences, 0);
+      EXPECT_EQ(cost.data_polls, 0);
+    }
+  }
+}
+
+TEST(Cost, CountsRunsOfSignalsAndWaitsAsOneAndHopsAlongTheCriticalPath) {
+  const Cost staged = verify(build_schedule(Algorithm::kOneshot, Direction::kPush, true, 8)).cost;
+  EXPECT_EQ(staged.system_fences, 7);  // one peer per stage: seven serial releases
+  EXPECT_EQ(staged.local_waits, 7);
+  EXPECT_EQ(staged.fabric_hops, 7);  // each stage sends after the previous one arrived
+  const Cost unstaged =
+      verify(build_schedule(Algorithm::kOneshot, Direction::kPush, false, 8)).cost;
+  EXPECT_EQ(unstaged.system_fences, 1);  // seven flags go out together after one barrier
+  EXPECT_EQ(unstaged.local_waits, 1);
+  EXPECT_EQ(unstaged.fabric_hops, 1);
+  const Cost pull = verify(build_schedule(Algorithm::kOneshot, Direction::kPull, false, 4)).cost;
+  EXPECT_EQ(pull.peer_polls, 0);
+  EXPECT_EQ(pull.fabric_hops, 3);  // "ready" posted to the reader, then a read round trip
+  EXPECT_EQ(verify(ll(Algorithm::kOneshot, 8)).cost.fabric_hops, 1);
+  EXPECT_EQ(verify(ll(Algorithm::kOneshot, 8)).cost.data_polls, 7);
+  const Cost island = verify(ll(Algorithm::kIslandOneshot, 8, halves(8))).cost;
+  EXPECT_EQ(island.fabric_hops, 2);
+  EXPECT_DOUBLE_EQ(island.cross_island, 4.0);
+  EXPECT_EQ(verify(ll(Algorithm::kIslandTwoshot, 8, halves(8))).cost.fabric_hops, 3);
+}
+
+TEST(Verifier, RejectsLLPullAndStagedLLWithAReason) {
+  const Tactic pull{Algorithm::kOneshot, Direction::kPull, false, Protocol::kLL};
+  EXPECT_NE(why_unsupported(pull, 4, {}).value_or("").find("push-only"), std::string::npos);
+  const Tactic staged{Algorithm::kOneshot, Direction::kPush, true, Protocol::kLL};
+  EXPECT_NE(why_unsupported(staged, 4, {}).value_or("").find("unstaged"), std::string::npos);
+  EXPECT_THROW(build_schedule(Algorithm::kOneshot, Direction::kPull, false, 4, {}, Protocol::kLL),
+               UnsupportedSchedule);
+}
+
+TEST(Verifier, RejectsAnLLSlotReadTwice) {
+  Schedule s = ll(Algorithm::kOneshot, 3);
+  Step* read = find_ll_read(s, 0);
+  ASSERT_NE(read, nullptr);
+  s.programs[0].push_back(*read);  // the first read reset the tags: this one waits forever
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "deadlock")) << first_error(v);
+}
+
+TEST(Verifier, RejectsLLDataNobodyReads) {
+  Schedule s = ll(Algorithm::kOneshot, 3);
+  Step extra = s.programs[1].front();  // rank 1's first delivery, to another slot of rank 0
+  ASSERT_EQ(extra.dst.space, Space::kLL);
+  extra.dst.slot = static_cast<uint8_t>(slot_gather(3));
+  s.programs[1].insert(s.programs[1].begin(), extra);
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "never read")) << first_error(v);
+}
+
+TEST(Verifier, RejectsAnLLReadOfPeerMemoryAndAWrongWriter) {
+  Schedule s = ll(Algorithm::kOneshot, 2);
+  Step* read = find_ll_read(s, 0);
+  ASSERT_NE(read, nullptr);
+  for (int i = 0; i < read->num_srcs; ++i) {
+    if (read->srcs[i].space == Space::kLL) read->srcs[i].writer = 0;
+  }
+  Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "expects rank 0's LL data but rank 1 writes it")) << first_error(v);
+
+  s = ll(Algorithm::kOneshot, 2);
+  Step& send = s.programs[1].front();
+  ASSERT_EQ(send.dst.space, Space::kLL);
+  send.dst.owner = 1;  // rank 1 delivers into its own slot ...
+  read = find_ll_read(s, 0);
+  for (int i = 0; i < read->num_srcs; ++i) {
+    if (read->srcs[i].space == Space::kLL) read->srcs[i].owner = 1;  // ... rank 0 polls it there
+  }
+  v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "LL readers poll only their own memory")) << first_error(v);
+}
+
+TEST(Verifier, AnLLReadProvesProgressButNotVisibilityOfOtherWrites) {
+  // Rank 1 copies its input into its own (plain) slot, then delivers LL data to rank 0; rank 0
+  // reads the plain slot after the LL read. The LL data carries no fence: a race.
+  Schedule s = ll(Algorithm::kOneshot, 2);
+  Step publish;
+  publish.kind = StepKind::kReduce;
+  publish.num_srcs = 1;
+  publish.srcs[0] = BufRef{Space::kInput, 1, 0, 0};
+  publish.dst = BufRef{Space::kSlot, 0, 0, 0};
+  s.programs[1].insert(s.programs[1].begin(), publish);
+  Step peek;
+  peek.kind = StepKind::kReduce;
+  peek.num_srcs = 1;
+  peek.srcs[0] = BufRef{Space::kSlot, 0, 0, 0};
+  peek.dst = BufRef{Space::kSlot, 0, 1, 0};
+  s.programs[0].push_back(peek);
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "race")) << first_error(v);
+}
+
 // ---------------------------------------------------------------- layout
 TEST(Layout, IsAlignedAndHoldsEverySlot) {
   const Layout l = make_layout(393216, 8, 2);
@@ -481,8 +645,61 @@ TEST(Layout, InitialisedControlExpectsTheNextGeneration) {
   const auto* flag = reinterpret_cast<const FlagWord*>(control.data() + l.flag_offset(1, 3, 5));
   EXPECT_EQ(flag->gen, 0xFFFFFFFEu);
   EXPECT_FALSE(gen_reached(flag->gen, 0xFFFFFFFFu));
-  EXPECT_TRUE(gen_reached(0u, 0xFFFFFFFFu));  // across the wrap
-  EXPECT_FALSE(gen_reached(0xFFFFFFFFu, 0u));
+  EXPECT_TRUE(gen_reached(0x100000000ull, 0xFFFFFFFFu));  // 64-bit: past 2^32 without a wrap
+  EXPECT_FALSE(gen_reached(0xFFFFFFFFu, 0x100000000ull));
+  uint64_t counter = 0;
+  std::memcpy(&counter, control.data() + l.gen_counter_offset(3), sizeof(counter));
+  EXPECT_EQ(counter, 0xFFFFFFFEu);
+}
+
+TEST(Layout, LLSlotsStartStaleForEveryGenerationOfTheirParity) {
+  const Layout l = make_layout(4096, 3, 2, 2);
+  EXPECT_EQ(l.ll_capacity_bytes, 4096 * 2);
+  EXPECT_GE(l.ll_slot_bytes, static_cast<uint64_t>(l.ll_capacity_bytes) * kLLExpansion);
+  EXPECT_EQ(l.ll_offset % kAlignBytes, 0u);
+  EXPECT_LE(l.ll_slot_offset(1, l.num_slots - 1) + l.ll_slot_bytes, l.control_bytes);
+  std::vector<unsigned char> control(l.control_bytes);
+  initialize_control(control.data(), l, 41);
+  for (int parity = 0; parity < 2; ++parity) {
+    for (int slot : {0, l.num_slots - 1}) {
+      for (uint64_t at : {uint64_t{0}, l.ll_slot_bytes - 8}) {
+        uint64_t word = 0;
+        std::memcpy(&word, control.data() + l.ll_slot_offset(parity, slot) + at, sizeof(word));
+        // Whatever call and generation of this parity reads it, it has not arrived.
+        for (uint64_t gen : {uint64_t{42}, uint64_t{43}, uint64_t{0x100000000}, uint64_t{7}}) {
+          if (gen_parity(gen) != parity) continue;
+          for (uint32_t numel : {0u, 64u, 4096u}) {
+            const uint32_t tag = ll_tag(gen, numel, 0xA5000001u);
+            EXPECT_NE(ll_word_tag(word), tag);
+            EXPECT_FALSE(ll_foreign(ll_word_tag(word), tag));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Protocol, LLTagsNameTheCallAndStaleTagsNeverMatchTheirParity) {
+  const uint32_t a = ll_tag(10, 1024, 0xA5000001u);
+  EXPECT_EQ(a & 1u, 0u);  // bit 0 is the generation's parity
+  EXPECT_EQ(ll_tag(11, 1024, 0xA5000001u) & 1u, 1u);
+  EXPECT_NE(a, ll_tag(10, 2048, 0xA5000001u));
+  EXPECT_NE(a, ll_tag(10, 1024, 0xA5000002u));
+  EXPECT_TRUE(ll_foreign(ll_tag(10, 2048, 0xA5000001u), a));  // same generation, other call
+  EXPECT_TRUE(ll_foreign(ll_tag(12, 1024, 0xA5000001u), a));  // same parity, other generation
+  // A consumed word flips parity: no generation of this slot's parity ever accepts it, even
+  // after 2^32 generations, for any call.
+  const uint32_t stale = ll_stale(a);
+  for (uint64_t gen = 10; gen < 10 + (uint64_t{1} << 33); gen += (uint64_t{1} << 31) + 2) {
+    for (uint32_t numel : {1024u, 8u}) {
+      const uint32_t tag = ll_tag(gen, numel, 0xA5000001u);
+      EXPECT_NE(stale, tag);
+      EXPECT_FALSE(ll_foreign(stale, tag));
+    }
+  }
+  const uint64_t word = ll_word(0xDEADBEEFu, a);
+  EXPECT_EQ(ll_word_payload(word), 0xDEADBEEFu);
+  EXPECT_EQ(ll_word_tag(word), a);
 }
 
 TEST(Layout, SlicesCoverEveryVectorExactlyOnce) {
@@ -514,7 +731,14 @@ TEST(Tactic, NamesRoundTripAndSignaturesDiffer) {
   u = t;
   u.threads = 512;  // threads do not change what peers see
   EXPECT_EQ(call_signature(DType::kBF16, t), call_signature(DType::kBF16, u));
-  EXPECT_EQ(tactic_label(t), "oneshot/push/staged/b1/t256");
+  EXPECT_EQ(tactic_label(t), "oneshot/push/staged/flag/b1/t256");
+  u = t;
+  u.protocol = Protocol::kLL;
+  EXPECT_NE(call_signature(DType::kBF16, t), call_signature(DType::kBF16, u));
+  EXPECT_EQ(tactic_label(u), "oneshot/push/staged/ll/b1/t256");
+  EXPECT_EQ(parse_protocol("ll"), Protocol::kLL);
+  EXPECT_EQ(parse_protocol("flag"), Protocol::kFlag);
+  EXPECT_FALSE(parse_protocol("LL").has_value());
 }
 
 TEST(Protocol, DescribesATimeoutNamingThePeer) {
@@ -528,6 +752,25 @@ TEST(Protocol, DescribesATimeoutNamingThePeer) {
   EXPECT_NE(text.find("rank 0 timed out after 30 s"), std::string::npos) << text;
   EXPECT_NE(text.find("waiting for rank 2"), std::string::npos) << text;
   EXPECT_NE(text.find("seen 6, expected 7"), std::string::npos) << text;
+}
+
+TEST(Protocol, DescribesAnLLTimeoutAndMismatchNamingTheWriter) {
+  Step step;
+  step.stage = 1;
+  const CallPosition at{3, 2, 9, 1024, 0xA5000001u};
+  const BufRef src{Space::kLL, 3, 5, 6};
+  Diagnostic d = make_ll_diagnostic(FailureKind::kLLTimeout, at, 4, step, src, 0x10u, 0x21u);
+  EXPECT_EQ(d.peer, 6u);
+  EXPECT_EQ(d.flag, 5u);
+  std::string text = describe_failure(d, 2);
+  EXPECT_NE(text.find("rank 3 timed out after 2 s at step 4"), std::string::npos) << text;
+  EXPECT_NE(text.find("waiting for rank 6's data in LL slot 5 of generation 9"), std::string::npos)
+      << text;
+  d = make_ll_diagnostic(FailureKind::kLLMismatch, at, 4, step, src, 0x10u, 0x22u);
+  text = describe_failure(d);
+  EXPECT_NE(text.find("rank 3 and rank 6 disagree on the call of generation 9"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("tagged 0x00000010"), std::string::npos) << text;
 }
 
 }  // namespace

@@ -60,8 +60,8 @@ TEST(TuningTable, SkipsRowsThatCannotRunAndKeepsMatching) {
       "*,*,*,0,*,warpspeed,push,1,8,256\n"
       "*,*,*,0,*,twoshot,push,1,8,256\n");
   const std::vector<int> flat;
-  const TableChoice c = t.choose("flat", 8, DType::kBF16, 4096, [&](const TableRow& row) {
-    return why_unsupported(row.tactic.algorithm, 8, flat);
+  const TableChoice c = t.choose("flat", 8, DType::kBF16, 4096, [&](const TableRow& row, int64_t) {
+    return why_unsupported(row.tactic, 8, flat);
   });
   EXPECT_FALSE(c.fallback);
   EXPECT_EQ(c.tactic.algorithm, Algorithm::kTwoshot);
@@ -72,14 +72,46 @@ TEST(TuningTable, SkipsRowsThatCannotRunAndKeepsMatching) {
   EXPECT_NE(c.skipped[1].second.find("unknown algorithm 'warpspeed'"), std::string::npos);
 }
 
+std::string parse_error(std::string_view text);
+
 TEST(TuningTable, HashIgnoresCommentsSpacingAndMeasuredColumns) {
   const TuningTable a = TuningTable::parse("*,2,*,0,*,oneshot,push,0,16,128\n");
-  const TuningTable b = TuningTable::parse("# x\n *, 2,*,0,*,oneshot,push,0,16,128,5.1,7.9\n");
+  const TuningTable b =
+      TuningTable::parse("# x\n *, 2,*,0,*,oneshot,push,0,16,128, flag ,5.1,7.9\n");
   const TuningTable c = TuningTable::parse("*,2,*,0,*,oneshot,push,0,16,256\n");
-  EXPECT_EQ(a.hash(), b.hash());
+  const TuningTable d = TuningTable::parse("*,2,*,0,*,oneshot,push,0,16,128,,5.1\n");
+  EXPECT_EQ(a.hash(), b.hash());  // flag is the default: ten-column tables keep their hash
+  EXPECT_EQ(a.hash(), d.hash());
   EXPECT_NE(a.hash(), c.hash());
   ASSERT_EQ(b.rows()[0].extra.size(), 2u);
   EXPECT_EQ(b.rows()[0].extra[1], "7.9");
+}
+
+TEST(TuningTable, ReadsTheProtocolColumnAndChecksEachSize) {
+  const TuningTable t = TuningTable::parse(
+      "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads,"
+      "protocol\n"
+      "*,*,*,0,65536,oneshot,push,0,4,128,ll\n"
+      "*,*,*,0,*,oneshot,push,1,8,256\n");
+  EXPECT_EQ(t.rows()[0].tactic.protocol, Protocol::kLL);
+  EXPECT_EQ(t.rows()[1].tactic.protocol, Protocol::kFlag);
+  EXPECT_NE(t.hash(), TuningTable::parse("*,*,*,0,65536,oneshot,push,0,4,128\n"
+                                         "*,*,*,0,*,oneshot,push,1,8,256\n")
+                          .hash());
+  // The check sees the size: an LL row too small for a message is skipped for that size only.
+  const auto capacity = [](const TableRow& row, int64_t bytes) -> std::optional<std::string> {
+    if (row.tactic.protocol == Protocol::kLL && bytes > 8192) return "too big for LL";
+    return std::nullopt;
+  };
+  EXPECT_EQ(t.choose("flat", 4, DType::kBF16, 8192, capacity).tactic.protocol, Protocol::kLL);
+  const TableChoice big = t.choose("flat", 4, DType::kBF16, 16384, capacity);
+  EXPECT_EQ(big.tactic.protocol, Protocol::kFlag);
+  ASSERT_EQ(big.skipped.size(), 1u);
+  EXPECT_EQ(big.skipped[0].second, "too big for LL");
+  EXPECT_NE(parse_error("*,*,*,0,*,oneshot,push,0,4,128,lowlat\n")
+                .find("column protocol must be "
+                      "flag or ll"),
+            std::string::npos);
 }
 
 std::string parse_error(std::string_view text) {
@@ -113,6 +145,20 @@ TEST(TuningTable, EmbeddedSeedParsesAndSendsNvlinkToTheFallback) {
   const TableChoice small = pick(t, "islands-2x4", 8, DType::kBF16, 12288);
   EXPECT_FALSE(small.fallback);
   EXPECT_EQ(small.tactic.algorithm, Algorithm::kIslandOneshot);
+  EXPECT_EQ(small.tactic.protocol, Protocol::kLL);  // decode sizes: flag-in-data
+  const TableChoice mid = pick(t, "islands-2x4", 8, DType::kBF16, 64 * 1024);
+  EXPECT_EQ(mid.tactic.protocol, Protocol::kFlag);
+  EXPECT_FALSE(mid.tactic.staged);
+  // Every tactic row of the seed builds and verifies for the worlds it names.
+  for (const TableRow& row : t.rows()) {
+    if (row.fallback || row.world < 0) continue;
+    const std::vector<int> halves = [&] {
+      std::vector<int> island_of(row.world);
+      for (int r = 0; r < row.world; ++r) island_of[r] = r < row.world / 2 ? 0 : 1;
+      return island_of;
+    }();
+    EXPECT_FALSE(why_unsupported(row.tactic, row.world, halves).has_value()) << "line " << row.line;
+  }
   EXPECT_EQ(pick(t, "islands-2x4", 8, DType::kBF16, 384 * 1024).tactic.algorithm,
             Algorithm::kIslandTwoshot);
   EXPECT_EQ(pick(t, "flat", 4, DType::kFP16, 4096).tactic.algorithm, Algorithm::kOneshot);

@@ -1,18 +1,22 @@
 // The device check of the CUDA IPC transport (target pcie_gpu_check; tests/gpu/run.sh runs it).
 // On one GPU, in loopback (N virtual ranks in one grid), it runs every schedule the builders
 // accept for world 2, 4 and 8 (flat, two islands of halves, and odd/even islands for world 8)
-// × push/pull × staged/unstaged × bf16/fp16/fp32 × message sizes × launch shapes, and checks
-// every rank's output against a float64 reference and bitwise across ranks. Then it captures
-// one all-reduce per tactic in a CUDA graph, replays it 1000 times with inputs that change on
-// every replay, and prints a latency table. Loopback measures kernel and protocol overhead on
-// one GPU, not PCIe.
+// × push/pull × staged/unstaged × flag/LL protocol × bf16/fp16/fp32 × message sizes (LL up to
+// the layout's LL capacity) × launch shapes, and checks every rank's output against a float64
+// reference and bitwise across ranks. Then it captures one all-reduce per tactic in a CUDA
+// graph, replays it 1000 times with inputs that change on every replay, and prints a latency
+// table. Loopback measures kernel and protocol overhead on one GPU, not PCIe; a second table
+// puts virtual rank 0's whole workspace in mapped pinned host memory, so every flag and LL
+// word it waits on, and everything peers send it, crosses the PCIe link.
 //
-//   pcie_gpu_check                  correctness, graph replay, latency; exit 1 on any failure
-//   pcie_gpu_check --quick          fewer sizes and shapes, no latency table
-//   pcie_gpu_check --timeout-test   world 2 with rank 1 withheld: expects a timeout diagnostic
-//   pcie_gpu_check --mismatch-test  rank 0 reduces bf16, rank 1 fp16: expects a mismatch
-// The last two end with a trapped kernel, which kills the CUDA context: run each in its own
-// process.
+//   pcie_gpu_check                     correctness, graph replay, latency; exit 1 on failure
+//   pcie_gpu_check --quick             fewer sizes and shapes, no latency tables
+//   pcie_gpu_check --timeout-test      world 2, rank 1 withheld: expects a flag timeout
+//   pcie_gpu_check --mismatch-test     rank 0 reduces bf16, rank 1 fp16: expects a mismatch
+//   pcie_gpu_check --ll-timeout-test   the same two with the LL protocol: expects an LL
+//   pcie_gpu_check --ll-mismatch-test  timeout / an LL mismatch
+// The failure tests end with a trapped kernel, which kills the CUDA context: run each in its
+// own process. PCIE_ALLREDUCE_PDL=0 turns programmatic dependent launch off.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -43,10 +47,13 @@ using pcie_ar::transport::CudaLoopback;
 using plan::Algorithm;
 using plan::Direction;
 using plan::DType;
+using plan::Protocol;
 
-constexpr double kTimeoutS = 10.0;             // a protocol bug traps instead of hanging
-constexpr uint32_t kInitialGen = 0xFFFFFF00u;  // the first 256 calls of a world cross 2^32
-constexpr int64_t kGuardBytes = 256;           // poisoned tail after every output
+constexpr double kTimeoutS = 10.0;  // a protocol bug traps instead of hanging
+// The first 256 calls of a world cross 2^32: the LL tags carry the low 32 bits of the
+// generation, so this is where a tag comes round.
+constexpr uint64_t kInitialGen = 0xFFFFFF00u;
+constexpr int64_t kGuardBytes = 256;  // poisoned tail after every output
 constexpr int kGraphReplays = 1000;
 constexpr int kMaxReportedFailures = 40;
 
@@ -74,10 +81,10 @@ void report(const std::string& line) {
 
 int print_summary() {
   int fails = 0;
-  std::printf("\n==== summary ====\n%-34s %7s %7s %7s\n", "check", "pass", "fail", "skip");
+  std::printf("\n==== summary ====\n%-40s %7s %7s %7s\n", "check", "pass", "fail", "skip");
   for (const std::string& key : g_tally_order) {
     const Tally& t = g_tally[key];
-    std::printf("%-34s %7d %7d %7d\n", key.c_str(), t.pass, t.fail, t.skip);
+    std::printf("%-40s %7d %7d %7d\n", key.c_str(), t.pass, t.fail, t.skip);
     fails += t.fail;
   }
   std::printf("RESULT: %s (%d failure%s)\n", fails ? "FAIL" : "PASS", fails, fails == 1 ? "" : "s");
@@ -173,9 +180,10 @@ std::string size_label(int64_t bytes) {
 
 struct Case {
   plan::Schedule schedule;
-  std::string label;  // "island_twoshot/pull/staged islands 01010101"
+  std::string label;  // "island_twoshot/pull/staged/flag islands 01010101"
   bool island = false;
   bool interleaved = false;
+  bool ll = false;  // carries at most layout.ll_capacity_bytes
 };
 
 std::string islands_text(const std::vector<int>& islands) {
@@ -197,23 +205,21 @@ std::vector<Case> cases_for(int world) {
   }
   std::vector<Case> cases;
   for (size_t m = 0; m < maps.size(); ++m) {
-    for (Algorithm algorithm : plan::kAllAlgorithms) {
-      const bool island = plan::is_island_algorithm(algorithm);
+    for (const plan::Tactic& t : plan::buildable_tactics(world, maps[m])) {
+      const bool island = plan::is_island_algorithm(t.algorithm);
       if (island == maps[m].empty()) continue;  // flat algorithms once, islands per map
-      if (plan::why_unsupported(algorithm, world, maps[m])) continue;
-      for (Direction direction : {Direction::kPush, Direction::kPull}) {
-        for (bool staged : {true, false}) {
-          Case c;
-          c.schedule = plan::build_schedule(algorithm, direction, staged, world, maps[m]);
-          c.label = std::string(plan::algorithm_name(algorithm)) + "/" +
-                    std::string(plan::direction_name(direction)) +
-                    (staged ? "/staged" : "/unstaged");
-          if (island) c.label += " islands " + islands_text(maps[m]);
-          c.island = island;
-          c.interleaved = m == 2;
-          cases.push_back(std::move(c));
-        }
-      }
+      Case c;
+      c.schedule =
+          plan::build_schedule(t.algorithm, t.direction, t.staged, world, maps[m], t.protocol);
+      c.label = std::string(plan::algorithm_name(t.algorithm)) + "/" +
+                std::string(plan::direction_name(t.direction)) +
+                (t.staged ? "/staged/" : "/unstaged/") +
+                std::string(plan::protocol_name(t.protocol));
+      if (island) c.label += " islands " + islands_text(maps[m]);
+      c.island = island;
+      c.interleaved = m == 2;
+      c.ll = t.protocol == Protocol::kLL;
+      cases.push_back(std::move(c));
     }
   }
   return cases;
@@ -224,6 +230,7 @@ plan::Tactic tactic_of(const Case& c, int blocks, int threads) {
   t.algorithm = c.schedule.algorithm;
   t.direction = c.schedule.direction;
   t.staged = c.schedule.staged;
+  t.protocol = c.schedule.protocol;
   t.blocks = blocks;
   t.threads = threads;
   return t;
@@ -391,6 +398,10 @@ void check_correctness(CudaLoopback& lb, const std::vector<Case>& cases,
       }
       for (size_t k = 0; k < cases.size(); ++k) {
         const Case& c = cases[k];
+        if (c.ll && bytes > lb.layout().ll_capacity_bytes) {  // the communicator declines it
+          tally(key).skip++;
+          continue;
+        }
         for (Shape shape : shapes_for(lb, c, dtype, world, quick)) {
           const std::string what = "world " + std::to_string(world) + " " + c.label + " " +
                                    std::string(plan::dtype_name(dtype)) + " " + size_label(bytes) +
@@ -573,18 +584,21 @@ double time_per_call_us(CudaLoopback& lb, int schedule_id, const plan::Tactic& t
   return samples[samples.size() / 2];
 }
 
+// One table: a row per tactic (interleaved islands left out: same code path as the halves),
+// a column per size, each cell the best of blocks 4/16/32 at 512 threads. LL rows stop at the
+// layout's LL capacity.
 void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std::vector<int>& ids,
-                     Buffers& buf, std::vector<std::string>& table) {
+                     Buffers& buf, const std::vector<int64_t>& sizes, const std::string& where,
+                     std::vector<std::string>& table) {
   const int world = buf.world;
-  const std::vector<int64_t> sizes = {1024, 12 * 1024, 96 * 1024, 384 * 1024, 1024 * 1024};
-  const std::string key = "world " + std::to_string(world) + " | latency measured";
+  const std::string key = "world " + std::to_string(world) + " | latency " + where;
   char line[512];
   std::snprintf(line, sizeof(line),
-                "\nworld %d, bf16, us per call (best of blocks 4/16/32, 512 "
-                "threads; median of 25 graph replays of 20 calls)",
-                world);
+                "\nworld %d, %s, bf16, us per call (best of blocks 4/16/32, 512 threads; median "
+                "of 25 graph replays of 20 calls; PDL %s)",
+                world, where.c_str(), lb.pdl() ? "on" : "off");
   table.push_back(line);
-  std::string header = "  tactic                                       ";
+  std::string header = "  tactic                                            ";
   for (int64_t bytes : sizes) {
     std::snprintf(line, sizeof(line), " %13s", size_label(bytes).c_str());
     header += line;
@@ -592,10 +606,15 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
   table.push_back(header);
   for (size_t k = 0; k < cases.size(); ++k) {
     const Case& c = cases[k];
-    if (c.interleaved) continue;  // same code path as the halves; keep the table short
-    std::snprintf(line, sizeof(line), "  %-45s", c.label.c_str());
+    if (c.interleaved) continue;
+    std::snprintf(line, sizeof(line), "  %-50s", c.label.c_str());
     std::string row = line;
     for (int64_t bytes : sizes) {
+      if (c.ll && bytes > lb.layout().ll_capacity_bytes) {
+        std::snprintf(line, sizeof(line), " %13s", "-");
+        row += line;
+        continue;
+      }
       double best = 0;
       int best_blocks = 0;
       for (int blocks : {4, 16, 32}) {
@@ -622,47 +641,111 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
 
 void run_world(int world, bool quick, bool latency, std::vector<std::string>& latency_table) {
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<int64_t> sizes = {
-      16,     1024 + 16,  12 * 1024,  96 * 1024,
-      159744, 384 * 1024, 1024 * 1024};  // 159744 = 13 rows of hidden 6144 in bf16
-  if (quick) sizes = {16, 1024 + 16, 159744};
   const int64_t max_bytes = 1024 * 1024;
   // elem_bytes 4 so one workspace serves every dtype; max_numel counts bf16 elements.
   CudaLoopback lb(plan::make_layout(max_bytes / 2, world, 4), 0, kInitialGen, kTimeoutS);
   g_loopback = &lb;
+  const int64_t ll_capacity = lb.layout().ll_capacity_bytes;  // the largest LL message
+  std::vector<int64_t> sizes = {
+      16,     1024 + 16,   12 * 1024,  96 * 1024,
+      159744, ll_capacity, 384 * 1024, 1024 * 1024};  // 159744 = 13 rows of hidden 6144
+  if (quick) sizes = {16, 1024 + 16, 159744};
   Buffers buf(world, max_bytes);
   const std::vector<Case> cases = cases_for(world);
   std::vector<int> ids;
   for (const Case& c : cases) ids.push_back(lb.add_schedule(c.schedule));
-  std::printf("world %d: %zu schedules\n", world, cases.size());
+  std::printf("world %d: %zu schedules, LL capacity %s, PDL %s\n", world, cases.size(),
+              size_label(ll_capacity).c_str(), lb.pdl() ? "on" : "off");
   std::fflush(stdout);
 
   check_correctness(lb, cases, ids, buf, sizes, quick);
   check_graph_replay(lb, cases, ids, buf);
-  if (latency) measure_latency(lb, cases, ids, buf, latency_table);
+  if (latency) {
+    measure_latency(lb, cases, ids, buf, {1024, 12 * 1024, 96 * 1024, 384 * 1024, 1024 * 1024},
+                    "device memory", latency_table);
+  }
   g_loopback = nullptr;
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("world %d finished in %.1f s\n", world, s);
   std::fflush(stdout);
 }
 
+// The same world with virtual rank 0's workspace in mapped pinned host memory: its flags and
+// LL slots are polled across PCIe and every peer's stores to it are PCIe writes, as between
+// real GPUs. A short correctness pass (bf16), then the latency table at 1/12/96 KiB.
+void run_world_host_mapped(int world, std::vector<std::string>& latency_table) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t max_bytes = 96 * 1024;
+  const plan::Layout layout = plan::make_layout(max_bytes / 2, world, 2);
+  void* host = nullptr;
+  CHECK_CUDA(cudaHostAlloc(&host, layout.total_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  void* device_view = nullptr;
+  CHECK_CUDA(cudaHostGetDevicePointer(&device_view, host, 0));
+  {
+    CudaLoopback lb(layout, 0, kInitialGen, kTimeoutS);
+    lb.use_external_slab(0, static_cast<uint8_t*>(device_view), kInitialGen);
+    g_loopback = &lb;
+    Buffers buf(world, max_bytes);
+    std::vector<Case> cases;
+    for (Case& c : cases_for(world)) {
+      if (!c.interleaved) cases.push_back(std::move(c));
+    }
+    std::vector<int> ids;
+    for (const Case& c : cases) ids.push_back(lb.add_schedule(c.schedule));
+    std::printf("world %d, rank 0 in host memory: %zu schedules\n", world, cases.size());
+    std::fflush(stdout);
+
+    const std::string key = "world " + std::to_string(world) + " | host-mapped correctness";
+    for (int64_t bytes : {int64_t{1024 + 16}, max_bytes}) {
+      const Data data(world, DType::kBF16, bytes, 0x4057ull + world * 1000 + bytes);
+      for (int r = 0; r < world; ++r) {
+        CHECK_CUDA(cudaMemcpy(buf.in[r], data.inputs[r].data(), bytes, cudaMemcpyHostToDevice));
+      }
+      for (size_t k = 0; k < cases.size(); ++k) {
+        const std::string what = "world " + std::to_string(world) + " " + cases[k].label +
+                                 " bf16 " + size_label(bytes) + " rank 0 in host memory";
+        (run_and_check(lb, ids[k], cases[k], data, buf, Shape{4, 512}, false, what)
+             ? tally(key).pass
+             : tally(key).fail)++;
+      }
+    }
+    measure_latency(lb, cases, ids, buf, {1024, 12 * 1024, 96 * 1024}, "rank 0 in host memory",
+                    latency_table);
+    g_loopback = nullptr;
+  }
+  CHECK_CUDA(cudaFreeHost(host));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("world %d (rank 0 in host memory) finished in %.1f s\n", world, s);
+  std::fflush(stdout);
+}
+
 // ------------------------------------------------------------------ failure paths
 
-// World 2 with only rank 0 launched: rank 0 must time out waiting for rank 1, record it, trap.
-int timeout_test() {
-  constexpr uint32_t kGen = 41;
-  constexpr double kTimeout = 1.0;
-  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, kTimeout);
-  const plan::Schedule schedule =
-      plan::build_schedule(Algorithm::kOneshot, Direction::kPush, true, 2);
-  const int id = lb.add_schedule(schedule);
-  Buffers buf(2, 1024 * 4);
+plan::Tactic two_rank_tactic(Protocol protocol, int blocks) {
   plan::Tactic tactic;
   tactic.algorithm = Algorithm::kOneshot;
   tactic.direction = Direction::kPush;
-  tactic.staged = true;
-  tactic.blocks = 2;
+  tactic.staged = protocol == Protocol::kFlag;  // LL is unstaged
+  tactic.protocol = protocol;
+  tactic.blocks = blocks;
   tactic.threads = 128;
+  return tactic;
+}
+
+plan::Schedule two_rank_schedule(const plan::Tactic& tactic) {
+  return plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, 2, {},
+                              tactic.protocol);
+}
+
+// World 2 with only rank 0 launched: rank 0 must time out waiting for rank 1 (its flag, or its
+// LL data), record it naming rank 1, and trap.
+int timeout_test(Protocol protocol) {
+  constexpr uint64_t kGen = 0x1FFFFFFF0ull;  // past 2^32: the diagnostic carries 64 bits
+  constexpr double kTimeout = 1.0;
+  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, kTimeout);
+  const plan::Tactic tactic = two_rank_tactic(protocol, 2);
+  const int id = lb.add_schedule(two_rank_schedule(tactic));
+  Buffers buf(2, 1024 * 4);
   const auto t0 = std::chrono::steady_clock::now();
   lb.launch(id, DType::kBF16, tactic, buf.inputs(), buf.outputs(), 1024,
             plan::call_signature(DType::kBF16, tactic), buf.stream, /*first_rank=*/0,
@@ -677,31 +760,34 @@ int timeout_test() {
     return 1;
   }
   std::printf("diagnostic: %s\n", plan::describe_failure(*d, kTimeout).c_str());
-  const bool ok = err != cudaSuccess &&
-                  d->kind == static_cast<uint32_t>(plan::FailureKind::kTimeout) && d->rank == 0 &&
-                  d->peer == 1 && d->gen_expected == kGen + 1 && s >= 0.9 * kTimeout;
-  std::printf(
-      "%s: expected kind timeout, rank 0, peer 1, generation expected %u, after >= %.1f s\n",
-      ok ? "PASS" : "FAIL", kGen + 1, 0.9 * kTimeout);
+  const plan::FailureKind want =
+      protocol == Protocol::kLL ? plan::FailureKind::kLLTimeout : plan::FailureKind::kTimeout;
+  bool ok = err != cudaSuccess && d->kind == static_cast<uint32_t>(want) && d->rank == 0 &&
+            d->peer == 1 && d->gen_expected == kGen + 1 && s >= 0.9 * kTimeout;
+  if (protocol == Protocol::kLL) {
+    // The LL slot rank 1 writes in rank 0's memory; the tag expected is this call's, and what
+    // was seen is the initial stale tag (nothing of this call arrived).
+    const uint32_t tag = plan::ll_tag(kGen + 1, 1024, plan::call_signature(DType::kBF16, tactic));
+    ok = ok && d->flag_owner == 0 && d->peer_signature == tag &&
+         static_cast<uint32_t>(d->gen_seen) != tag;
+  }
+  std::printf("%s: expected kind %s, rank 0, peer 1, generation expected %llu, after >= %.1f s\n",
+              ok ? "PASS" : "FAIL", protocol == Protocol::kLL ? "LL timeout" : "timeout",
+              static_cast<unsigned long long>(kGen + 1), 0.9 * kTimeout);
   return ok ? 0 : 1;
 }
 
-// Ranks 0 and 1 launched separately with different dtypes: whoever looks first must report
-// the disagreement instead of reducing garbage.
-int mismatch_test() {
-  constexpr uint32_t kGen = 7;
+// Ranks 0 and 1 launched separately (two streams, so they run at once) with different dtypes:
+// whoever looks first must report the disagreement instead of reducing garbage. Flag: the
+// flag's signature differs; LL: the tag of the peer's data names another call.
+int mismatch_test(Protocol protocol) {
+  constexpr uint64_t kGen = 7;
   CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, 5.0);
-  const int id =
-      lb.add_schedule(plan::build_schedule(Algorithm::kOneshot, Direction::kPush, true, 2));
+  const plan::Tactic tactic = two_rank_tactic(protocol, 1);
+  const int id = lb.add_schedule(two_rank_schedule(tactic));
   Buffers buf(2, 1024 * 4);
   cudaStream_t other = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
-  plan::Tactic tactic;
-  tactic.algorithm = Algorithm::kOneshot;
-  tactic.direction = Direction::kPush;
-  tactic.staged = true;
-  tactic.blocks = 1;
-  tactic.threads = 128;
   const uint32_t sig_bf16 = plan::call_signature(DType::kBF16, tactic);
   const uint32_t sig_fp16 = plan::call_signature(DType::kFP16, tactic);
   lb.launch(id, DType::kBF16, tactic, buf.inputs(), buf.outputs(), 1024, sig_bf16, buf.stream, 0,
@@ -716,14 +802,29 @@ int mismatch_test() {
     return 1;
   }
   std::printf("diagnostic: %s\n", plan::describe_failure(*d, 5.0).c_str());
-  const bool pair_ok =
-      (d->rank == 0 && d->peer == 1 && d->signature == sig_bf16 && d->peer_signature == sig_fp16) ||
-      (d->rank == 1 && d->peer == 0 && d->signature == sig_fp16 && d->peer_signature == sig_bf16);
-  const bool ok = err != cudaSuccess &&
-                  d->kind == static_cast<uint32_t>(plan::FailureKind::kMismatch) && pair_ok &&
-                  d->gen_expected == kGen + 1 && d->numel == 1024 && d->peer_numel == 1024;
-  std::printf("%s: expected kind mismatch between ranks 0 and 1 (signatures 0x%08x / 0x%08x)\n",
-              ok ? "PASS" : "FAIL", sig_bf16, sig_fp16);
+  bool ok = err != cudaSuccess && d->gen_expected == kGen + 1 && d->numel == 1024;
+  if (protocol == Protocol::kFlag) {
+    const bool pair_ok =
+        (d->rank == 0 && d->peer == 1 && d->signature == sig_bf16 &&
+         d->peer_signature == sig_fp16) ||
+        (d->rank == 1 && d->peer == 0 && d->signature == sig_fp16 && d->peer_signature == sig_bf16);
+    ok = ok && d->kind == static_cast<uint32_t>(plan::FailureKind::kMismatch) && pair_ok &&
+         d->peer_numel == 1024;
+  } else {
+    // make_ll_diagnostic: gen_seen is the tag seen (the peer's call), peer_signature the tag
+    // this rank expected.
+    const uint32_t tag_bf16 = plan::ll_tag(kGen + 1, 1024, sig_bf16);
+    const uint32_t tag_fp16 = plan::ll_tag(kGen + 1, 1024, sig_fp16);
+    const bool pair_ok =
+        (d->rank == 0 && d->peer == 1 && d->signature == sig_bf16 &&
+         d->peer_signature == tag_bf16 && static_cast<uint32_t>(d->gen_seen) == tag_fp16) ||
+        (d->rank == 1 && d->peer == 0 && d->signature == sig_fp16 &&
+         d->peer_signature == tag_fp16 && static_cast<uint32_t>(d->gen_seen) == tag_bf16);
+    ok = ok && d->kind == static_cast<uint32_t>(plan::FailureKind::kLLMismatch) && pair_ok;
+  }
+  std::printf("%s: expected kind %s between ranks 0 and 1 (signatures 0x%08x / 0x%08x)\n",
+              ok ? "PASS" : "FAIL", protocol == Protocol::kLL ? "LL mismatch" : "mismatch",
+              sig_bf16, sig_fp16);
   return ok ? 0 : 1;
 }
 
@@ -748,8 +849,10 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     try {
-      if (arg == "--timeout-test") return timeout_test();
-      if (arg == "--mismatch-test") return mismatch_test();
+      if (arg == "--timeout-test") return timeout_test(Protocol::kFlag);
+      if (arg == "--mismatch-test") return mismatch_test(Protocol::kFlag);
+      if (arg == "--ll-timeout-test") return timeout_test(Protocol::kLL);
+      if (arg == "--ll-mismatch-test") return mismatch_test(Protocol::kLL);
     } catch (const std::exception& e) {
       std::printf("FAIL: %s\n", e.what());
       return 1;
@@ -764,7 +867,7 @@ int main(int argc, char** argv) {
     } else {
       std::printf(
           "usage: %s [--quick] [--no-latency] [--world=N] | --timeout-test | "
-          "--mismatch-test\n",
+          "--mismatch-test | --ll-timeout-test | --ll-mismatch-test\n",
           argv[0]);
       return 2;
     }
@@ -774,10 +877,20 @@ int main(int argc, char** argv) {
     print_device();
     std::vector<std::string> latency_table;
     for (int world : worlds) run_world(world, quick, latency, latency_table);
+    std::vector<std::string> host_table;
+    if (latency) {
+      for (int world : worlds) run_world_host_mapped(world, host_table);
+    }
     if (!latency_table.empty()) {
       std::printf(
           "\n==== latency (loopback on one GPU: kernel + protocol overhead, not PCIe) ====");
       for (const std::string& line : latency_table) std::printf("%s\n", line.c_str());
+    }
+    if (!host_table.empty()) {
+      std::printf(
+          "\n==== latency, virtual rank 0's workspace in mapped host memory (its flags, LL "
+          "slots and incoming data cross PCIe) ====");
+      for (const std::string& line : host_table) std::printf("%s\n", line.c_str());
     }
   } catch (const std::exception& e) {
     std::printf("FATAL: %s\n", e.what());

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The device check: the one script a machine with a GPU runs, from the repository root.
 # Builds the check program for sm_90 (no torch, no GoogleTest), records the GPU, runs the
-# loopback correctness / graph-replay / latency check, then the two failure paths (each traps
-# its kernel, which kills the CUDA context, so each runs in its own process). Logs go to $OUT.
+# loopback correctness / graph-replay / latency check (flag and LL protocols, programmatic
+# dependent launch on; latency also with one virtual rank's workspace in host memory), a quick
+# pass with PDL off, then the four failure paths (each traps its kernel, which kills the CUDA
+# context, so each runs in its own process). Logs go to $OUT.
 # Exits non-zero if any step fails; every step runs even after an earlier failure.
 set -o pipefail
 set -u
@@ -28,7 +30,7 @@ step "configure" configure.log \
   cmake -S . -B "$BUILD" -G Ninja -DPCIE_AR_WITH_TORCH=OFF -DPCIE_AR_CUDA_ARCHS=90 \
   -DPCIE_AR_BUILD_TESTS=OFF
 step "build pcie_gpu_check" build.log \
-  cmake --build "$BUILD" --target pcie_gpu_check -j "$(nproc)"
+  cmake --build "$BUILD" --target pcie_gpu_check pcie_gpu_microbench -j "$(nproc)"
 if [[ ! -x "$BUILD/pcie_gpu_check" ]]; then
   echo "pcie_gpu_check was not built; see $OUT/build.log"
   exit 1
@@ -49,11 +51,23 @@ nvidia-smi topo -m > "$OUT/nvidia-smi-topo.log" 2>&1 || true
 # outer timeout is the last resort.
 step "loopback check" gpu_check.log timeout 420 "$BUILD/pcie_gpu_check"
 
-# Rank 1 withheld: rank 0 must time out after 1 s and name peer 1.
-step "timeout path" timeout_test.log timeout 120 "$BUILD/pcie_gpu_check" --timeout-test
+# What the latency model assumes, measured: a system fence after local and after host-memory
+# (PCIe) writes, serial vs parallel flag polls, the graph launch floor with and without PDL.
+step "microbenchmarks" microbench.log timeout 60 "$BUILD/pcie_gpu_microbench"
 
-# Ranks launched with different dtypes: the flag's signature check must catch it.
-step "mismatch path" mismatch_test.log timeout 120 "$BUILD/pcie_gpu_check" --mismatch-test
+# The plain launch path: world 2, fewer sizes, no latency tables.
+step "loopback check, PDL off" gpu_check_no_pdl.log env PCIE_ALLREDUCE_PDL=0 \
+  timeout 120 "$BUILD/pcie_gpu_check" --quick --world=2
+
+# Rank 1 withheld: rank 0 must time out after 1 s and name peer 1 (flag, then LL data).
+step "timeout path" timeout_test.log timeout 60 "$BUILD/pcie_gpu_check" --timeout-test
+step "LL timeout path" ll_timeout_test.log timeout 60 "$BUILD/pcie_gpu_check" --ll-timeout-test
+
+# Ranks launched with different dtypes: the flag's signature check (flag) and the tag of the
+# peer's data (LL) must catch it.
+step "mismatch path" mismatch_test.log timeout 60 "$BUILD/pcie_gpu_check" --mismatch-test
+step "LL mismatch path" ll_mismatch_test.log timeout 60 "$BUILD/pcie_gpu_check" \
+  --ll-mismatch-test
 
 # torch-level checks: the real cuda_ipc transport through PcieAllReduce and the torch ops,
 # two processes sharing the GPU (IPC handles, graph capture, declines, timeout -> exception).

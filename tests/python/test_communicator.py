@@ -17,8 +17,9 @@ from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
 
 
-def one_row(algorithm: str, direction: str, staged: bool, blocks: int = 1) -> str:
-    return f"*,*,*,0,*,{algorithm},{direction},{int(staged)},{blocks},64\n"
+def one_row(algorithm: str, direction: str, staged: bool, blocks: int = 1,
+            protocol: str = "flag") -> str:
+    return f"*,*,*,0,*,{algorithm},{direction},{int(staged)},{blocks},64,{protocol}\n"
 
 
 def check_result(out, world, numel, dtype_name, seed=0):
@@ -38,6 +39,12 @@ def islands_for(world: int):
 
 
 # ---------------------------------------------------------------- every tactic, every dtype
+# (direction, staged, protocol): LL (flag-in-data) is push-only and unstaged.
+TACTIC_SHAPES = [(d, st, "flag") for d in ("push", "pull") for st in (True, False)] + [
+    ("push", False, "ll")
+]
+
+
 def _every_tactic(rank, world, sizes, dtypes):
     from pcie_allreduce import PcieAllReduce
 
@@ -47,31 +54,31 @@ def _every_tactic(rank, world, sizes, dtypes):
     for algorithm in ALGORITHMS:
         if algorithm.startswith("island") and (islands is None or world < 4):
             continue
-        for direction in ("push", "pull"):
-            for staged in (True, False):
-                blocks = 1 if staged else 2  # unstaged runs two slices: per-block flags
-                table = one_row(algorithm, direction, staged, blocks)
-                with PcieAllReduce(None, "cpu", max_numel=max_numel, table=table,
-                                   islands=islands) as ar:
-                    for dtype_name in dtypes:
-                        for numel in sizes:
-                            x = rank_input(rank, numel, DTYPES[dtype_name], seed=3)
-                            before = x.clone()
-                            assert ar.decline_reason(x) is None, ar.decline_reason(x)
-                            out = ar.all_reduce(x)
-                            assert torch.equal(x, before), "input modified"
-                            check_result(out, world, numel, dtype_name, seed=3)
-                            assert same_bits_everywhere(out)
-                            # gloo agrees within rounding
-                            g = x.clone()
-                            dist.all_reduce(g)
-                            assert torch.allclose(out.float(), g.float(), rtol=0.05, atol=0.05)
-                    label = ar.chosen_tactic(x)
-                    assert label.startswith(f"{algorithm}/{direction}/"), label
-                    stats = ar.stats()
-                    assert stats["calls"][label] == len(dtypes) * len(sizes)
-                    assert "fallback" not in stats["calls"]
-                    checked.append(label)
+        for direction, staged, protocol in TACTIC_SHAPES:
+            blocks = 1 if staged else 2  # unstaged runs two slices: per-block flags
+            table = one_row(algorithm, direction, staged, blocks, protocol)
+            with PcieAllReduce(None, "cpu", max_numel=max_numel, table=table,
+                               islands=islands) as ar:
+                for dtype_name in dtypes:
+                    for numel in sizes:
+                        x = rank_input(rank, numel, DTYPES[dtype_name], seed=3)
+                        before = x.clone()
+                        assert ar.decline_reason(x) is None, ar.decline_reason(x)
+                        out = ar.all_reduce(x)
+                        assert torch.equal(x, before), "input modified"
+                        check_result(out, world, numel, dtype_name, seed=3)
+                        assert same_bits_everywhere(out)
+                        # gloo agrees within rounding
+                        g = x.clone()
+                        dist.all_reduce(g)
+                        assert torch.allclose(out.float(), g.float(), rtol=0.05, atol=0.05)
+                label = ar.chosen_tactic(x)
+                assert label.startswith(f"{algorithm}/{direction}/"), label
+                assert f"/{protocol}/" in label, label
+                stats = ar.stats()
+                assert stats["calls"][label] == len(dtypes) * len(sizes)
+                assert "fallback" not in stats["calls"]
+                checked.append(label)
     return checked
 
 
@@ -85,7 +92,7 @@ def test_every_tactic_matches_gloo_and_float64_and_is_bitwise_identical(world, c
     sizes = SIZES if world <= 4 else [8, 1000, 12288]
     results = run_ranks(_every_tactic, world, sizes, dtypes, timeout=600)
     labels = results[0]["value"]
-    expected = 8 if world == 2 else 16
+    expected = 10 if world == 2 else 20
     assert len(labels) == expected, labels
 
 
@@ -221,7 +228,7 @@ def _stats(rank, world):
 
 def test_stats_count_calls_and_bytes_per_peer(clean_shm):
     s = run_ranks(_stats, 3)[1]["value"]
-    assert s["calls"] == {"oneshot/push/unstaged/b1/t64": 3}
+    assert s["calls"] == {"oneshot/push/unstaged/flag/b1/t64": 3}
     # oneshot push: the whole message to each peer, three times; nothing to itself.
     assert s["bytes_sent_per_peer"] == [3 * 2048, 0, 3 * 2048]
     assert s["declines"] == {}

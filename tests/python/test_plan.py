@@ -55,3 +55,53 @@ def test_refuses_with_a_reason():
     with pytest.raises(ValueError, match="in no island"):
         plan.build("oneshot", 4, islands=[[0, 1], [2]])
     assert plan.why_unsupported("island_twoshot", 4, [[0, 1], [2, 3]]) is None
+
+
+@pytest.mark.parametrize("algorithm", plan.ALGORITHMS)
+def test_ll_schedules_pay_no_fence_and_poll_only_their_own_memory(algorithm):
+    s = plan.build(algorithm, 8, islands=TWO_BY_FOUR, staged=False, protocol="ll")
+    assert s.protocol == "ll"
+    assert s.verify()["ok"]
+    assert s.verify(in_place=True)["ok"]
+    cost = s.cost()
+    assert cost["system_fences"] == 0 and cost["peer_polls"] == 0 and cost["local_waits"] == 0
+    assert cost["data_polls"] > 0
+    ll_refs = [
+        ref
+        for program in s.to_dict()["programs"]
+        for step in program
+        if step["kind"] == "reduce"
+        for ref in [step["dst"], *step["srcs"]]
+        if ref["space"] == "ll"
+    ]
+    assert ll_refs and all("writer" in ref for ref in ll_refs)
+    assert {step["kind"] for p in s.to_dict()["programs"] for step in p} == {"reduce"}
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+@pytest.mark.parametrize("staged", [True, False])
+def test_no_flag_schedule_polls_a_peer(direction, staged):
+    for algorithm in plan.ALGORITHMS:
+        cost = plan.build(algorithm, 8, islands=TWO_BY_FOUR, direction=direction,
+                          staged=staged).cost()
+        assert cost["peer_polls"] == 0, (algorithm, cost)
+        assert cost["system_fences"] >= 1
+
+
+def test_cost_counts_serial_fences_waits_and_hops():
+    staged = plan.build("oneshot", 8, staged=True).cost()
+    assert (staged["system_fences"], staged["local_waits"], staged["fabric_hops"]) == (7, 7, 7)
+    unstaged = plan.build("oneshot", 8, staged=False).cost()
+    assert (unstaged["system_fences"], unstaged["local_waits"], unstaged["fabric_hops"]) == (1, 1, 1)
+    island = plan.build("island_oneshot", 8, islands=TWO_BY_FOUR, staged=False, protocol="ll")
+    assert island.cost()["fabric_hops"] == 2 and island.cost()["cross_island"] == 4.0
+
+
+def test_ll_refuses_pull_and_staging_with_a_reason():
+    with pytest.raises(ValueError, match="push-only"):
+        plan.build("oneshot", 4, direction="pull", staged=False, protocol="ll")
+    with pytest.raises(ValueError, match="unstaged"):
+        plan.build("oneshot", 4, staged=True, protocol="ll")
+    with pytest.raises(ValueError, match="protocol must be flag or ll"):
+        plan.build("oneshot", 4, protocol="lowlat")
+    assert "push-only" in plan.why_unsupported("oneshot", 4, direction="pull", protocol="ll")

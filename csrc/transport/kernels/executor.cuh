@@ -4,9 +4,16 @@
 //
 // Thread i of a CTA always handles the vectors slice.begin + i + k * blockDim.x of whatever
 // chunk a step names, so a step that reads what an earlier step of the same rank wrote to the
-// same chunk reads the thread's own stores: consecutive steps need no barrier. Barriers sit
-// only where the protocol needs them: before a signal (the whole slice is written) and after a
-// wait (the whole CTA may read).
+// same chunk reads the thread's own stores: consecutive steps need no barrier, and LL steps
+// (which carry their own flags in the data) need none at all. Barriers sit only where the flag
+// protocol needs them: before a run of signals (the whole slice is written) and after a run of
+// waits (the whole CTA may read). The signals of a run go out in parallel, one thread each, and
+// so do the waits of a run.
+//
+// Under programmatic dependent launch (sm_90+) the kernel may start while the previous one in
+// the stream still runs: it stages its program (written once, at upload), then waits for the
+// previous grid before it reads the generation counter, an input or anything else.
+
 #pragma once
 
 #include <cstddef>
@@ -23,16 +30,29 @@ static_assert(offsetof(plan::Program, steps) % 4 == 0 && sizeof(plan::Step) % 4 
               "the program is staged into shared memory as 32-bit words");
 static_assert(sizeof(plan::Program) % 4 == 0);
 
-// Polls of a flag between two looks at the clock: a poll is a round trip to L2 or over PCIe,
-// so the deadline is still checked every few microseconds.
+// Polls of a flag or an LL vector between two looks at the clock: a poll is a round trip to
+// L2 or over PCIe, so the deadline is still checked every few microseconds.
 inline constexpr uint32_t kPollsPerClockCheck = 16;
+// Re-reads of a flag that reached this generation with another call's identity before it is
+// a mismatch: a 16-byte read may be torn between its halves, which the next read resolves.
+inline constexpr int kMismatchRereads = 4;
+// LL operands a thread loads before it looks at their tags, all in flight at once: as many as
+// fit in the 64 registers a 1024-thread CTA leaves each thread without a spill (measured with
+// CUDA 13.0; the cuda_executor_no_spills test keeps it honest). Larger groups save round trips
+// to L2 when a reduce has more operands than one group.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+inline constexpr int kLLGroup = 3;
+#else
+inline constexpr int kLLGroup = plan::kMaxSources;
+#endif
 
 // What every step of one CTA needs to know about the call.
 struct Call {
   int rank;
   int block;
-  uint32_t gen;
+  uint64_t gen;
   int parity;
+  uint32_t ll_tag;  // plan::ll_tag of this call: every LL word it writes or expects
   int64_t num_vecs;
   int num_chunks;
 };
@@ -50,58 +70,16 @@ __device__ __forceinline__ uint4* resolve(const LaunchParams& p, const Call& c,
   }
 }
 
+// The first LL vector of an LL slot: payload vector v lives at [2v, 2v + 1].
+__device__ __forceinline__ uint4* resolve_ll(const LaunchParams& p, const Call& c,
+                                             const plan::BufRef& ref) {
+  return reinterpret_cast<uint4*>(p.bases[ref.owner] + p.layout.ll_slot_offset(c.parity, ref.slot));
+}
+
 __device__ __forceinline__ plan::FlagWord* flag_word(const LaunchParams& p, const Call& c,
                                                      int owner, int flag) {
   return reinterpret_cast<plan::FlagWord*>(p.bases[owner] +
                                            p.layout.flag_offset(c.parity, c.block, flag));
-}
-
-// dst[v] = src0[v] + ... + src{N-1}[v] over this thread's vectors of the slice. All operands
-// are loaded before the store, so dst may alias any source elementwise (the in-place op).
-template <typename T, plan::Direction D, int N>
-__device__ __forceinline__ void reduce_slice(const LaunchParams& p, const Call& c,
-                                             const plan::Step& step, plan::VecRange range) {
-  const uint4* src[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) src[i] = resolve(p, c, step.srcs[i]);
-  uint4* dst = resolve(p, c, step.dst);
-  for (int64_t v = range.begin + threadIdx.x; v < range.end; v += blockDim.x) {
-    uint4 x[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) x[i] = load_operand<D>(src[i] + v);
-    if constexpr (N == 1) {
-      store_cg(dst + v, x[0]);  // a copy moves bits; it never rounds
-    } else {
-      store_cg(dst + v, sum_in_order<T, N>(x));
-    }
-  }
-}
-
-template <typename T, plan::Direction D>
-__device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
-                                           const plan::Step& step) {
-  const plan::VecRange range =
-      plan::slice_range(c.num_vecs, c.num_chunks, step.chunk, static_cast<int>(gridDim.x), c.block);
-  // One instantiation per operand count keeps every operand array in registers.
-  switch (step.num_srcs) {
-    case 1:
-      return reduce_slice<T, D, 1>(p, c, step, range);
-    case 2:
-      return reduce_slice<T, D, 2>(p, c, step, range);
-    case 3:
-      return reduce_slice<T, D, 3>(p, c, step, range);
-    case 4:
-      return reduce_slice<T, D, 4>(p, c, step, range);
-    case 5:
-      return reduce_slice<T, D, 5>(p, c, step, range);
-    case 6:
-      return reduce_slice<T, D, 6>(p, c, step, range);
-    case 7:
-      return reduce_slice<T, D, 7>(p, c, step, range);
-    default:
-      static_assert(plan::kMaxSources == 8);
-      return reduce_slice<T, D, 8>(p, c, step, range);
-  }
 }
 
 // Records the first failure of the launch where the host can read it after the context dies,
@@ -125,13 +103,233 @@ __device__ __forceinline__ plan::CallPosition position(const LaunchParams& p, co
                             static_cast<uint32_t>(p.numel), p.signature};
 }
 
-// Thread 0 only. Spins until the flag reaches this call's generation, then checks that the
-// peer entered it with the same call. Bounded by p.timeout_ns measured on the global timer.
+// ------------------------------------------------------------------ plain reduce
+
+// dst[v] = src0[v] + ... + src{N-1}[v] over this thread's vectors of the slice. All operands
+// are loaded before the store, so dst may alias any source elementwise (the in-place op).
+template <typename T, plan::Direction D, int N>
+__device__ __forceinline__ void reduce_slice(const LaunchParams& p, const Call& c,
+                                             const plan::Step& step, plan::VecRange range) {
+  const uint4* src[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) src[i] = resolve(p, c, step.srcs[i]);
+  uint4* dst = resolve(p, c, step.dst);
+  for (int64_t v = range.begin + threadIdx.x; v < range.end; v += blockDim.x) {
+    uint4 x[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = load_operand<D>(src[i] + v);
+    if constexpr (N == 1) {
+      store_cg(dst + v, x[0]);  // a copy moves bits; it never rounds
+    } else {
+      store_cg(dst + v, sum_in_order<T, N>(x));
+    }
+  }
+}
+
+// ------------------------------------------------------------------ LL reduce
+
+// Loads payload vector v of an LL slot (`ll` is the slot's first LL vector). True when all four
+// tags are `tag`; otherwise `seen` is the first tag that is not.
+__device__ __forceinline__ bool try_load_ll(const uint4* ll, int v, uint32_t tag, uint4& payload,
+                                            uint32_t& seen) {
+  const uint4 lo = load_ll(ll + 2 * v);
+  const uint4 hi = load_ll(ll + 2 * v + 1);
+  payload = make_uint4(lo.x, lo.z, hi.x, hi.z);
+  seen = lo.y != tag ? lo.y : lo.w != tag ? lo.w : hi.y != tag ? hi.y : hi.w;
+  return (lo.y == tag) & (lo.w == tag) & (hi.y == tag) & (hi.w == tag);
+}
+
+// Where operand `ref` of an LL step lives: an LL slot's first LL vector, or a plain buffer.
+__device__ __forceinline__ uint4* resolve_any(const LaunchParams& p, const Call& c,
+                                              const plan::BufRef& ref) {
+  return ref.space == plan::Space::kLL ? resolve_ll(p, c, ref) : resolve(p, c, ref);
+}
+
+// Polls payload vector v of LL operand `ref` until its tags are this call's; fails with
+// kLLMismatch at once on a tag of this parity that names another call, with kLLTimeout after
+// p.timeout_ns.
+__device__ __forceinline__ uint4 await_ll(const LaunchParams& p, const Call& c, int step_index,
+                                          const plan::Step& step, const plan::BufRef& ref, int v) {
+  const uint64_t start = global_timer_ns();
+  uint32_t polls = 0;
+  for (;;) {
+    uint4 payload;
+    uint32_t seen;
+    if (try_load_ll(resolve_ll(p, c, ref), v, c.ll_tag, payload, seen)) return payload;
+    if (plan::ll_foreign(seen, c.ll_tag)) {
+      fail(p, plan::make_ll_diagnostic(plan::FailureKind::kLLMismatch, position(p, c), step_index,
+                                       step, ref, seen, c.ll_tag));
+    }
+    if (++polls == kPollsPerClockCheck) {
+      polls = 0;
+      if (p.timeout_ns != 0 && global_timer_ns() - start > p.timeout_ns) {
+        fail(p, plan::make_ll_diagnostic(plan::FailureKind::kLLTimeout, position(p, c), step_index,
+                                         step, ref, seen, c.ll_tag));
+      }
+    }
+  }
+}
+
+// Operands [First, First + K) of an LL step for payload vector v: plain ones loaded, LL ones
+// polled until their tags say this call's data has landed (bounded by p.timeout_ns; a tag of
+// this parity that names another call fails at once), then reset to the stale tag. Operand
+// addresses are re-derived from the staged step (shared memory) at every use rather than held
+// in registers: with eight operands the registers go to the loads in flight.
+template <plan::Direction D, int First, int K>
+__device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Call& c,
+                                                int step_index, const plan::Step& step, int v,
+                                                uint4 (&x)[K]) {
+  const uint32_t tag = c.ll_tag;
+  uint32_t pending = 0;
+  // First look: every operand of the group in flight at once.
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const plan::BufRef& ref = step.srcs[First + k];
+    if (ref.space == plan::Space::kLL) {
+      uint32_t seen;
+      if (!try_load_ll(resolve_ll(p, c, ref), v, tag, x[k], seen)) pending |= 1u << k;
+    } else {
+      x[k] = load_operand<D>(resolve(p, c, ref) + v);
+    }
+  }
+  // Slow path: wait for the missing ones in operand order, one at a time (by then the others
+  // have usually landed too, so each costs one more look).
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if ((pending >> k) & 1u) {
+      const plan::BufRef& ref = step.srcs[First + k];
+      x[k] = await_ll(p, c, step_index, step, ref, v);
+    }
+  }
+  // Consumed: the stale tag (other parity) can never match a generation that reads this
+  // parity's slot, so an LL word is valid exactly once per write.
+  const uint32_t stale = plan::ll_stale(tag);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const plan::BufRef& ref = step.srcs[First + k];
+    if (ref.space == plan::Space::kLL) {
+      uint4* ll = resolve_ll(p, c, ref) + 2 * v;
+      store_ll(ll, 0u, 0u, stale);
+      store_ll(ll + 1, 0u, 0u, stale);
+    }
+  }
+}
+
+// Sums operands [First, N) of payload vector v into acc (fp32, operand order), kLLGroup at a
+// time. acc is only defined after operand 0, so group 0 widens instead of adding.
+template <typename T, plan::Direction D, int First, int N>
+__device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call& c, int step_index,
+                                              const plan::Step& step, int v,
+                                              float (&acc)[VecMath<T>::kElems]) {
+  using M = VecMath<T>;
+  constexpr int K = N - First < kLLGroup ? N - First : kLLGroup;
+  uint4 x[K];
+  gather_ll_group<D, First, K>(p, c, step_index, step, v, x);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (First + k == 0) {
+      M::widen(x[k], acc);
+    } else {
+      float term[M::kElems];
+      M::widen(x[k], term);
+#pragma unroll
+      for (int e = 0; e < M::kElems; ++e) acc[e] = __fadd_rn(acc[e], term[e]);
+    }
+  }
+  if constexpr (First + K < N) {
+    accumulate_ll<T, D, First + K, N>(p, c, step_index, step, v, acc);
+  }
+}
+
+// A reduce that reads or writes LL slots: the same sum as reduce_slice (operand order, fp32,
+// one rounding; a copy moves bits), with LL operands awaited per vector and an LL destination
+// written tagged. Nothing else: no fence, no flag, no barrier.
+template <typename T, plan::Direction D, int N>
+__device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Call& c,
+                                                int step_index, const plan::Step& step,
+                                                plan::VecRange range) {
+  // LL slots hold at most plan::kMaxLLPayloadBytes: 32-bit vector indices, fewer registers.
+  const int end = static_cast<int>(range.end);
+  for (int v = static_cast<int>(range.begin) + static_cast<int>(threadIdx.x); v < end;
+       v += static_cast<int>(blockDim.x)) {
+    uint4 out;
+    if constexpr (N == 1) {
+      uint4 x[1];
+      gather_ll_group<D, 0, 1>(p, c, step_index, step, v, x);
+      out = x[0];
+    } else {
+      float acc[VecMath<T>::kElems];
+      accumulate_ll<T, D, 0, N>(p, c, step_index, step, v, acc);
+      out = VecMath<T>::narrow(acc);
+    }
+    uint4* dst = resolve_any(p, c, step.dst);
+    if (step.dst.space == plan::Space::kLL) {
+      store_ll_payload(dst + 2 * v, out, c.ll_tag);
+    } else {
+      store_cg(dst + v, out);
+    }
+  }
+}
+
+__device__ __forceinline__ bool touches_ll(const plan::Step& step) {
+  bool ll = step.dst.space == plan::Space::kLL;
+  for (int i = 0; i < step.num_srcs; ++i) ll |= step.srcs[i].space == plan::Space::kLL;
+  return ll;
+}
+
+// One instantiation per operand count keeps every operand array in registers.
+template <typename T, plan::Direction D, bool LL>
+__device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, int step_index,
+                                         const plan::Step& step, plan::VecRange range) {
+  static_assert(plan::kMaxSources == 8);
+#define PCIE_AR_REDUCE_CASE(n)                                        \
+  case n:                                                             \
+    if constexpr (LL) {                                               \
+      return reduce_slice_ll<T, D, n>(p, c, step_index, step, range); \
+    } else {                                                          \
+      return reduce_slice<T, D, n>(p, c, step, range);                \
+    }
+  switch (step.num_srcs) {
+    PCIE_AR_REDUCE_CASE(1)
+    PCIE_AR_REDUCE_CASE(2)
+    PCIE_AR_REDUCE_CASE(3)
+    PCIE_AR_REDUCE_CASE(4)
+    PCIE_AR_REDUCE_CASE(5)
+    PCIE_AR_REDUCE_CASE(6)
+    PCIE_AR_REDUCE_CASE(7)
+    default:
+      PCIE_AR_REDUCE_CASE(8)
+  }
+#undef PCIE_AR_REDUCE_CASE
+}
+
+// The LL decision is per step and uniform across the CTA (every thread reads the same step).
+template <typename T, plan::Direction D>
+__device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c, int step_index,
+                                           const plan::Step& step) {
+  const plan::VecRange range =
+      plan::slice_range(c.num_vecs, c.num_chunks, step.chunk, static_cast<int>(gridDim.x), c.block);
+  if (touches_ll(step)) {
+    reduce_n<T, D, true>(p, c, step_index, step, range);
+  } else {
+    reduce_n<T, D, false>(p, c, step_index, step, range);
+  }
+}
+
+// ------------------------------------------------------------------ flags
+
+__device__ __forceinline__ plan::FlagSeen unpack(const FlagBits& f) {
+  return plan::FlagSeen{f.gen, static_cast<uint32_t>(f.call), static_cast<uint32_t>(f.call >> 32)};
+}
+
+// One thread per flag. Spins (one 16-byte acquire load per poll, of this rank's own memory)
+// until the flag reaches this call's generation, then checks that the peer entered it with
+// the same call. Bounded by p.timeout_ns measured on the global timer.
 __device__ __forceinline__ void wait_flag(const LaunchParams& p, const Call& c, int step_index,
                                           const plan::Step& step) {
-  plan::FlagWord* word = flag_word(p, c, step.flag_owner, step.flag);
-  plan::FlagSeen seen{load_acquire_sys(&word->gen)};
-  if (!plan::gen_reached(seen.gen, c.gen)) {
+  const plan::FlagWord* word = flag_word(p, c, step.flag_owner, step.flag);
+  FlagBits f = load_flag_acquire_sys(word);
+  if (!plan::gen_reached(f.gen, c.gen)) {
     const uint64_t start = global_timer_ns();
     uint32_t polls = 0;
     do {
@@ -139,47 +337,48 @@ __device__ __forceinline__ void wait_flag(const LaunchParams& p, const Call& c, 
         polls = 0;
         if (p.timeout_ns != 0 && global_timer_ns() - start > p.timeout_ns) {
           fail(p, plan::make_diagnostic(plan::FailureKind::kTimeout, position(p, c), step_index,
-                                        step, seen));
+                                        step, plan::FlagSeen{f.gen}));
         }
       }
-      seen.gen = load_acquire_sys(&word->gen);
-    } while (!plan::gen_reached(seen.gen, c.gen));
+      f = load_flag_acquire_sys(word);
+    } while (!plan::gen_reached(f.gen, c.gen));
   }
-  // Ordered after the acquire: the writer stored these before releasing gen.
-  seen.numel = load_relaxed_sys(&word->numel);
-  seen.signature = load_relaxed_sys(&word->signature);
-  if (plan::is_mismatch(position(p, c), seen)) {
+  // A torn read (new gen, older call half) resolves on the next read; a real mismatch stays.
+  for (int i = 0; i < kMismatchRereads && plan::is_mismatch(position(p, c), unpack(f)); ++i) {
+    f = load_flag_acquire_sys(word);
+  }
+  if (plan::is_mismatch(position(p, c), unpack(f))) {
     fail(p, plan::make_diagnostic(plan::FailureKind::kMismatch, position(p, c), step_index, step,
-                                  seen));
+                                  unpack(f)));
   }
 }
 
-// Thread 0 only, after a barrier: the CTA's stores to the slice happen before the release.
+// One thread per flag, after a CTA barrier: the CTA's stores to the slice are ordered before
+// the release, which carries the generation and the call in one 16-byte store.
 __device__ __forceinline__ void raise_flag(const LaunchParams& p, const Call& c,
                                            const plan::Step& step) {
   plan::FlagWord* word = flag_word(p, c, step.flag_owner, step.flag);
-  store_relaxed_sys(&word->numel, static_cast<uint32_t>(p.numel));
-  store_relaxed_sys(&word->signature, p.signature);
-  store_relaxed_sys(&word->writer, static_cast<uint32_t>(c.rank));
-  store_release_sys(&word->gen, c.gen);
+  const uint64_t call = static_cast<uint64_t>(static_cast<uint32_t>(p.numel)) |
+                        (static_cast<uint64_t>(p.signature) << 32);
+  store_flag_release_sys(word, c.gen, call);
 }
 
-// End of the call, own workspace only: the flag refresh of plan/protocol.h, spread over the
-// CTA's threads.
+// Steps s, s + 1, ... of the same kind as step s: a run the CTA handles in parallel.
+__device__ __forceinline__ int run_length(const plan::Program& program, int s, int num_steps) {
+  const plan::StepKind kind = program.steps[s].kind;
+  int end = s + 1;
+  while (end < num_steps && program.steps[end].kind == kind) ++end;
+  return end - s;
+}
+
+// End of the call, own workspace only (plan/protocol.h): every generation counter of this
+// CTA's residue class takes this call's generation. Flags need nothing.
 __device__ __forceinline__ void finish_call(const LaunchParams& p, const Call& c) {
   const int stride = static_cast<int>(gridDim.x);
   const int my_blocks = (p.layout.max_blocks - c.block + stride - 1) / stride;
-  const int num_flags = p.layout.num_flags;
   uint8_t* own = p.bases[c.rank];
-  for (int i = threadIdx.x; i < my_blocks * num_flags; i += blockDim.x) {
-    const int b = c.block + (i / num_flags) * stride;
-    auto* word =
-        reinterpret_cast<plan::FlagWord*>(own + p.layout.flag_offset(c.parity, b, i % num_flags));
-    store_relaxed_sys(&word->gen, c.gen);
-  }
   for (int i = threadIdx.x; i < my_blocks; i += blockDim.x) {
-    *reinterpret_cast<volatile uint32_t*>(own + p.layout.gen_counter_offset(c.block + i * stride)) =
-        c.gen;
+    store_volatile_u64(own + p.layout.gen_counter_offset(c.block + i * stride), c.gen);
   }
 }
 
@@ -192,6 +391,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   Call c;
   c.rank = p.first_rank + static_cast<int>(blockIdx.y);
   c.block = static_cast<int>(blockIdx.x);
+  // Programs are written once, at upload: safe to read before the previous grid is done.
   const auto* program_words = reinterpret_cast<const uint32_t*>(p.programs[c.rank]);
   const int num_steps = p.programs[c.rank]->num_steps;
   const int num_words =
@@ -199,11 +399,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int i = threadIdx.x; i < num_words; i += blockDim.x) {
     staged_program[i] = __ldg(program_words + i);
   }
-  // Written only by this CTA at the end of the previous call (an earlier kernel).
-  c.gen = *reinterpret_cast<const volatile uint32_t*>(p.bases[c.rank] +
-                                                      p.layout.gen_counter_offset(c.block)) +
-          1u;
+  wait_for_previous_grid();
+  // Written only by this CTA at the end of the previous call (an earlier kernel). Every thread
+  // reads it before the barrier below; this call writes it after its last step.
+  c.gen = load_volatile_u64(p.bases[c.rank] + p.layout.gen_counter_offset(c.block)) + 1u;
   c.parity = plan::gen_parity(c.gen);
+  c.ll_tag = plan::ll_tag(c.gen, static_cast<uint32_t>(p.numel), p.signature);
   c.num_vecs = p.numel * static_cast<int64_t>(sizeof(T)) / plan::kVectorBytes;
   __syncthreads();
   const auto& program = *reinterpret_cast<const plan::Program*>(staged_program);
@@ -213,19 +414,27 @@ __global__ void __launch_bounds__(kMaxThreads)
     const plan::Step& step = program.steps[s];
     switch (step.kind) {
       case plan::StepKind::kReduce:
-        run_reduce<T, D>(p, c, step);
+        run_reduce<T, D>(p, c, s, step);
         break;
-      case plan::StepKind::kSignal:
+      case plan::StepKind::kSignal: {
+        const int n = run_length(program, s, num_steps);
         __syncthreads();
-        if (threadIdx.x == 0) raise_flag(p, c, step);
+        for (int j = threadIdx.x; j < n; j += blockDim.x) raise_flag(p, c, program.steps[s + j]);
+        s += n - 1;
         break;
-      case plan::StepKind::kWait:
-        if (threadIdx.x == 0) wait_flag(p, c, s, step);
+      }
+      case plan::StepKind::kWait: {
+        const int n = run_length(program, s, num_steps);
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+          wait_flag(p, c, s + j, program.steps[s + j]);
+        }
         __syncthreads();
+        s += n - 1;
         break;
+      }
     }
   }
-  __syncthreads();
+  allow_dependent_grids();
   finish_call(p, c);
 }
 

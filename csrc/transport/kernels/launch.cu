@@ -1,5 +1,6 @@
 // The only translation unit nvcc compiles: the six executor instantiations (dtype × direction),
-// the P2P probe kernel, and the host functions that launch them (kernels/launch.h).
+// the P2P probe kernel, and the host functions that launch them (kernels/launch.h), with
+// programmatic dependent launch where the workspace asks for it.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -35,20 +36,71 @@ __global__ void probe_kernel(uint32_t* dst, uint32_t nonce, int src, int dst_ran
   if (i < kProbeWords) dst[i] = probe_word(nonce, src, dst_rank, i);
 }
 
+[[noreturn]] void launch_executor_failed(const LaunchParams& p, cudaError_t err) {
+  throw std::runtime_error(
+      "launching the all-reduce executor (" + std::string(plan::dtype_name(p.dtype)) + ", " +
+      std::string(plan::direction_name(p.direction)) + ", grid " + std::to_string(p.blocks) + "x" +
+      std::to_string(p.ranks_in_launch) + ", " + std::to_string(p.threads) + " threads" +
+      (p.pdl ? ", programmatic dependent launch" : "") + ") failed (" + cudaGetErrorName(err) +
+      ": " + cudaGetErrorString(err) + ")");
+}
+
+cudaError_t launch_pdl(const void* kernel, const LaunchParams& p, cudaStream_t stream) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.blocks, p.ranks_in_launch);
+  config.blockDim = dim3(p.threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  void* args[] = {const_cast<LaunchParams*>(&p)};
+  return cudaLaunchKernelExC(&config, kernel, args);
+}
+
 }  // namespace
 
-void launch_executor(const LaunchParams& p, cudaStream_t stream) {
+bool launch_executor(const LaunchParams& p, cudaStream_t stream) {
+  const void* kernel = reinterpret_cast<const void*>(kernel_for(p.dtype, p.direction));
   void* args[] = {const_cast<LaunchParams*>(&p)};
-  const cudaError_t err =
-      cudaLaunchKernel(reinterpret_cast<const void*>(kernel_for(p.dtype, p.direction)),
-                       dim3(p.blocks, p.ranks_in_launch), dim3(p.threads), args, 0, stream);
-  if (err != cudaSuccess) {
-    throw std::runtime_error(
-        "launching the all-reduce executor (" + std::string(plan::dtype_name(p.dtype)) + ", " +
-        std::string(plan::direction_name(p.direction)) + ", grid " + std::to_string(p.blocks) +
-        "x" + std::to_string(p.ranks_in_launch) + ", " + std::to_string(p.threads) +
-        " threads) failed (" + cudaGetErrorName(err) + ": " + cudaGetErrorString(err) + ")");
+  if (p.pdl) {
+    const cudaError_t err = launch_pdl(kernel, p, stream);
+    if (err == cudaSuccess) return true;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t query = cudaStreamIsCapturing(stream, &capture);
+    if (query != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+      launch_executor_failed(p, err);
+    }
+    cudaGetLastError();  // a refused launch is not sticky: clear it before the plain retry
+    LaunchParams plain = p;
+    plain.pdl = false;
+    void* plain_args[] = {&plain};
+    const cudaError_t retry = cudaLaunchKernel(kernel, dim3(p.blocks, p.ranks_in_launch),
+                                               dim3(p.threads), plain_args, 0, stream);
+    if (retry != cudaSuccess) launch_executor_failed(plain, retry);
+    return false;
   }
+  const cudaError_t err =
+      cudaLaunchKernel(kernel, dim3(p.blocks, p.ranks_in_launch), dim3(p.threads), args, 0, stream);
+  if (err != cudaSuccess) launch_executor_failed(p, err);
+  return true;
+}
+
+bool executor_waits_for_previous_grid() {
+  for (plan::DType dtype : plan::kAllDTypes) {
+    for (plan::Direction direction : {plan::Direction::kPush, plan::Direction::kPull}) {
+      cudaFuncAttributes attributes{};
+      if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(
+                                                 kernel_for(dtype, direction))) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return false;
+    }
+  }
+  return true;
 }
 
 int executor_ctas_per_sm(plan::DType dtype, plan::Direction direction, int threads) {

@@ -38,11 +38,23 @@ struct LaunchParams {
   int threads = 0;                                     // blockDim.x
   int first_rank = 0;                                  // rank of blockIdx.y == 0
   int ranks_in_launch = 0;                             // gridDim.y
+  // Programmatic dependent launch (sm_90+): the kernel may start while the previous kernel of
+  // the stream finishes; it waits for it (griddepcontrol.wait) before touching memory.
+  bool pdl = false;
 };
 
 // Enqueues the executor instantiation for (p.dtype, p.direction) on `stream`: capture-safe.
-// Throws std::runtime_error naming the launch shape if the launch fails.
-void launch_executor(const LaunchParams& p, cudaStream_t stream);
+// With p.pdl it launches with programmatic stream serialization. Returns false when that PDL
+// launch was refused outside stream capture and the same launch went out without PDL (the
+// caller should stop asking for PDL); true otherwise. Throws std::runtime_error naming the
+// launch shape if the launch fails (under capture a refused PDL launch is not retried: the
+// capture is already invalid).
+[[nodiscard]] bool launch_executor(const LaunchParams& p, cudaStream_t stream);
+
+// True when every executor instantiation, as the CUDA runtime will load it on the current
+// device, was compiled for sm_90+ and so waits for the previous grid (griddepcontrol.wait): a
+// kernel JIT-compiled from older PTX would not, and must never be launched with PDL.
+bool executor_waits_for_previous_grid();
 
 // CTAs of that instantiation one SM keeps resident with `threads` threads each.
 int executor_ctas_per_sm(plan::DType dtype, plan::Direction direction, int threads);

@@ -1,6 +1,7 @@
 // Device primitives of the CUDA IPC transport: 16-byte vector loads and stores with the cache
 // behaviour each direction needs, the system-scope flag operations of the generation protocol,
-// the global timer that bounds every wait, and fp32 accumulation for bf16/fp16/fp32 vectors.
+// the LL (flag-in-data) loads and stores, programmatic dependent launch, the global timer that
+// bounds every wait, and fp32 accumulation for bf16/fp16/fp32 vectors.
 //
 // Why these flavours: peers write our slots over PCIe behind the SM's back, and L1 is not
 // coherent with those writes, so nothing that a peer wrote may be read through L1. Flags are
@@ -62,24 +63,80 @@ __device__ __forceinline__ uint4 load_operand(const uint4* ptr) {
 
 // ------------------------------------------------------------------ flags
 
-__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* ptr) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+// A flag word as one 16-byte access: the generation and {numel, signature} packed low/high.
+struct FlagBits {
+  uint64_t gen;
+  uint64_t call;  // numel in the low 32 bits, signature in the high 32 bits
+};
+
+// One acquire load of a whole flag word. A 16-byte access is not single-copy atomic across
+// its two 8-byte halves, so `call` may belong to an older store than `gen`; callers re-read.
+__device__ __forceinline__ FlagBits load_flag_acquire_sys(const void* ptr) {
+  FlagBits f;
+  asm volatile("ld.acquire.sys.global.v2.u64 {%0, %1}, [%2];"
+               : "=l"(f.gen), "=l"(f.call)
+               : "l"(ptr)
+               : "memory");
+  return f;
+}
+
+// One release store of a whole flag word: everything this thread has observed (after a CTA
+// barrier: everything the CTA wrote) is visible system-wide before any part of the word.
+__device__ __forceinline__ void store_flag_release_sys(void* ptr, uint64_t gen, uint64_t call) {
+  asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(ptr), "l"(gen), "l"(call)
+               : "memory");
+}
+
+// The generation counter: written by the CTA at the end of one call, read at the start of the
+// next (a later kernel), never through L1.
+__device__ __forceinline__ uint64_t load_volatile_u64(const void* ptr) {
+  uint64_t v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
   return v;
 }
 
-__device__ __forceinline__ uint32_t load_relaxed_sys(const uint32_t* ptr) {
-  uint32_t v;
-  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+__device__ __forceinline__ void store_volatile_u64(void* ptr, uint64_t v) {
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+// ------------------------------------------------------------------ LL (flag-in-data)
+
+// An LL vector is {payload, tag, payload, tag}. Loads bypass L1 (peers write these words over
+// PCIe) and are never merged or hoisted: each poll is a fresh look at memory.
+__device__ __forceinline__ uint4 load_ll(const uint4* ptr) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr)
+               : "memory");
   return v;
 }
 
-__device__ __forceinline__ void store_release_sys(uint32_t* ptr, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+__device__ __forceinline__ void store_ll(uint4* ptr, uint32_t d0, uint32_t d1, uint32_t tag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(d0), "r"(tag),
+               "r"(d1), "r"(tag)
+               : "memory");
 }
 
-__device__ __forceinline__ void store_relaxed_sys(uint32_t* ptr, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+// Payload vector `v` as the two LL vectors at ll[0], ll[1], every 8-byte word tagged.
+__device__ __forceinline__ void store_ll_payload(uint4* ll, const uint4& v, uint32_t tag) {
+  store_ll(ll, v.x, v.y, tag);
+  store_ll(ll + 1, v.z, v.w, tag);
+}
+
+// Nothing inside the kernel orders the previous kernel's writes before ours under
+// programmatic dependent launch except this wait (a no-op when launched without PDL).
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream start its prologue; it still waits for our completion.
+__device__ __forceinline__ void allow_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // Nanoseconds, comparable across SMs (unlike clock64), so a deadline means wall time.

@@ -7,7 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -26,6 +29,7 @@ namespace {
 using plan::Algorithm;
 using plan::Direction;
 using plan::DType;
+using plan::Protocol;
 
 // Addresses that are never dereferenced: validation only looks at them.
 template <typename T = uint8_t>
@@ -97,6 +101,7 @@ plan::Tactic tactic_for(const plan::Schedule& schedule, int blocks = 4, int thre
   tactic.algorithm = schedule.algorithm;
   tactic.direction = schedule.direction;
   tactic.staged = schedule.staged;
+  tactic.protocol = schedule.protocol;
   tactic.blocks = blocks;
   tactic.threads = threads;
   return tactic;
@@ -165,6 +170,15 @@ TEST(CudaLaunchParams, CarryOnlyTheLaunchedRanksTensors) {
   EXPECT_EQ(p.outputs[3], nullptr);
 }
 
+TEST(CudaLaunchParams, CarryTheWorkspacesPdlChoice) {
+  const plan::Schedule schedule =
+      plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
+  Fixture fixture(schedule, 4096, 4);
+  EXPECT_FALSE(fixture.params(DType::kBF16, tactic_for(schedule), 1024, 0, 2).pdl);
+  fixture.view.pdl = true;
+  EXPECT_TRUE(fixture.params(DType::kBF16, tactic_for(schedule), 1024, 0, 2).pdl);
+}
+
 TEST(CudaLaunchParams, TakeTheDirectionFromThePrograms) {
   const plan::Schedule pull = plan::build_schedule(Algorithm::kOneshot, Direction::kPull, false, 4);
   const Fixture fixture(pull, 4096, 4);
@@ -177,53 +191,53 @@ TEST(CudaLaunchParams, TakeTheDirectionFromThePrograms) {
 
 TEST(CudaLaunchEncoding, EveryBuiltScheduleReachesTheKernelIntact) {
   int schedules = 0;
+  int ll_schedules = 0;
   for (int world = 2; world <= plan::kMaxWorld; ++world) {
     for (const std::vector<int>& islands : island_maps(world)) {
-      for (Algorithm algorithm : plan::kAllAlgorithms) {
-        if (plan::why_unsupported(algorithm, world, islands)) continue;
-        for (Direction direction : {Direction::kPush, Direction::kPull}) {
-          for (bool staged : {true, false}) {
-            const plan::Schedule schedule =
-                plan::build_schedule(algorithm, direction, staged, world, islands);
-            SCOPED_TRACE(plan::tactic_label(tactic_for(schedule)) + " world " +
-                         std::to_string(world) + " islands " + std::to_string(islands.size()));
-            const Fixture fixture(schedule, 1 << 16, 4);
-            ++schedules;
+      for (const plan::Tactic& wanted : plan::buildable_tactics(world, islands)) {
+        const Direction direction = wanted.direction;
+        const Protocol protocol = wanted.protocol;
+        const plan::Schedule schedule = plan::build_schedule(
+            wanted.algorithm, direction, wanted.staged, world, islands, protocol);
+        SCOPED_TRACE(plan::tactic_label(tactic_for(schedule)) + " world " + std::to_string(world) +
+                     " islands " + std::to_string(islands.size()));
+        const Fixture fixture(schedule, 1 << 16, 4);
+        ++schedules;
+        if (protocol == Protocol::kLL) ++ll_schedules;
+        for (int r = 0; r < world; ++r) {
+          const plan::Program& program = fixture.programs[r];
+          EXPECT_EQ(program.rank, r);
+          EXPECT_EQ(program.world, world);
+          EXPECT_EQ(program.num_chunks, schedule.num_chunks);
+          // The kernel picks its LL path per step: only LL programs may name LL slots.
+          EXPECT_EQ(fixture.facts[r].uses_ll, protocol == Protocol::kLL);
+          // The push kernel reads every operand as local memory; a pull program only
+          // ever writes its own slots.
+          if (direction == Direction::kPush) {
+            EXPECT_FALSE(fixture.facts[r].loads_peer_slots);
+          } else {
+            EXPECT_FALSE(fixture.facts[r].stores_peer_slots);
+          }
+        }
+        const plan::Tactic tactic = tactic_for(schedule);
+        for (DType dtype : plan::kAllDTypes) {
+          // Loopback: one launch carries every rank; real: each rank launches alone.
+          std::vector<LaunchParams> launches = {fixture.params(dtype, tactic, 1 << 12, 0, world)};
+          for (int r = 0; r < world; ++r) {
+            launches.push_back(fixture.params(dtype, tactic, 1 << 12, r, 1));
+          }
+          for (const LaunchParams& p : launches) {
+            EXPECT_EQ(p.layout, fixture.layout);
+            EXPECT_EQ(p.signature, plan::call_signature(dtype, tactic));
+            EXPECT_EQ(p.direction, direction);
             for (int r = 0; r < world; ++r) {
-              const plan::Program& program = fixture.programs[r];
-              EXPECT_EQ(program.rank, r);
-              EXPECT_EQ(program.world, world);
-              EXPECT_EQ(program.num_chunks, schedule.num_chunks);
-              // The push kernel reads every operand as local memory; a pull program only
-              // ever writes its own slots.
-              if (direction == Direction::kPush) {
-                EXPECT_FALSE(fixture.facts[r].loads_peer_slots);
-              } else {
-                EXPECT_FALSE(fixture.facts[r].stores_peer_slots);
-              }
+              EXPECT_EQ(p.bases[r], fixture.view.bases[r]);
             }
-            const plan::Tactic tactic = tactic_for(schedule);
-            for (DType dtype : plan::kAllDTypes) {
-              // Loopback: one launch carries every rank; real: each rank launches alone.
-              std::vector<LaunchParams> launches = {
-                  fixture.params(dtype, tactic, 1 << 12, 0, world)};
-              for (int r = 0; r < world; ++r) {
-                launches.push_back(fixture.params(dtype, tactic, 1 << 12, r, 1));
-              }
-              for (const LaunchParams& p : launches) {
-                EXPECT_EQ(p.layout, fixture.layout);
-                EXPECT_EQ(p.signature, plan::call_signature(dtype, tactic));
-                EXPECT_EQ(p.direction, direction);
-                for (int r = 0; r < world; ++r) {
-                  EXPECT_EQ(p.bases[r], fixture.view.bases[r]);
-                }
-                for (int r = p.first_rank; r < p.first_rank + p.ranks_in_launch; ++r) {
-                  ASSERT_EQ(p.programs[r], &fixture.programs[r]);
-                  EXPECT_EQ(p.programs[r]->rank, r);
-                  EXPECT_EQ(p.inputs[r], fixture.inputs[r]);
-                  EXPECT_EQ(p.outputs[r], fixture.outputs[r]);
-                }
-              }
+            for (int r = p.first_rank; r < p.first_rank + p.ranks_in_launch; ++r) {
+              ASSERT_EQ(p.programs[r], &fixture.programs[r]);
+              EXPECT_EQ(p.programs[r]->rank, r);
+              EXPECT_EQ(p.inputs[r], fixture.inputs[r]);
+              EXPECT_EQ(p.outputs[r], fixture.outputs[r]);
             }
           }
         }
@@ -231,6 +245,7 @@ TEST(CudaLaunchEncoding, EveryBuiltScheduleReachesTheKernelIntact) {
     }
   }
   EXPECT_GT(schedules, 50);
+  EXPECT_GT(ll_schedules, 10);
 }
 
 TEST(CudaLaunchEncoding, EveryRankComputesTheSameSlabLayout) {
@@ -245,9 +260,16 @@ TEST(CudaLaunchEncoding, EveryRankComputesTheSameSlabLayout) {
         }
         // Every address the kernel forms stays inside the slab.
         const plan::Layout& l = reference;
-        EXPECT_LE(l.gen_counter_offset(l.max_blocks - 1) + 4, l.flags_offset);
+        EXPECT_LE(l.gen_counter_offset(l.max_blocks - 1) + sizeof(uint64_t), l.flags_offset);
+        EXPECT_EQ(l.gen_offset % 8, 0u);  // the kernel loads and stores counters as 8 bytes
         EXPECT_LE(l.flag_offset(1, l.max_blocks - 1, l.num_flags - 1) + sizeof(plan::FlagWord),
                   l.control_bytes);
+        EXPECT_LE(l.flag_offset(1, l.max_blocks - 1, l.num_flags - 1) + sizeof(plan::FlagWord),
+                  l.ll_offset);
+        EXPECT_LE(l.ll_slot_offset(1, l.num_slots - 1) + l.ll_slot_bytes, l.control_bytes);
+        EXPECT_GE(l.ll_slot_bytes, static_cast<uint64_t>(l.ll_capacity_bytes) * plan::kLLExpansion);
+        EXPECT_EQ(l.ll_offset % 32, 0u);  // an LL payload vector is two aligned 16-byte stores
+        EXPECT_EQ(l.ll_slot_bytes % 32, 0u);
         EXPECT_LE(l.control_bytes, l.data_offset);
         EXPECT_LE(l.slot_offset(1, l.num_slots - 1) + l.slot_bytes, l.total_bytes);
         EXPECT_GE(l.slot_bytes, static_cast<uint64_t>(max_numel * elem));
@@ -257,6 +279,40 @@ TEST(CudaLaunchEncoding, EveryRankComputesTheSameSlabLayout) {
       }
     }
   }
+}
+
+// The kernel moves a flag as one 16-byte access of two 64-bit halves: {gen} and
+// {numel | signature << 32}. The host and the plan layer see the same bytes as a FlagWord.
+TEST(CudaWireFormat, FlagWordIsGenThenNumelThenSignature) {
+  static_assert(offsetof(plan::FlagWord, gen) == 0);
+  static_assert(offsetof(plan::FlagWord, numel) == 8);
+  static_assert(offsetof(plan::FlagWord, signature) == 12);
+  static_assert(alignof(plan::FlagWord) == 16);
+  const uint64_t halves[2] = {0x0123456789ABCDEFull,
+                              uint64_t{0x00001000} | (uint64_t{0xA5123456} << 32)};
+  plan::FlagWord word;
+  std::memcpy(&word, halves, sizeof(word));
+  EXPECT_EQ(word.gen, 0x0123456789ABCDEFull);
+  EXPECT_EQ(word.numel, 0x00001000u);
+  EXPECT_EQ(word.signature, 0xA5123456u);
+}
+
+// The kernel stores LL payload vector {x, y, z, w} as 32-bit words {x, tag, y, tag} and
+// {z, tag, w, tag}: as 64-bit words, exactly what plan::ll_word() builds for the host.
+TEST(CudaWireFormat, LLVectorsAreWhatTheHostCallsLLWords) {
+  const uint32_t tag = plan::ll_tag(0x100000003ull, 4096, 0xA5000001u);
+  const uint32_t payload[4] = {0x11111111u, 0x22222222u, 0x33333333u, 0x44444444u};
+  const uint32_t stored[8] = {payload[0], tag, payload[1], tag, payload[2], tag, payload[3], tag};
+  uint64_t words[4];
+  std::memcpy(words, stored, sizeof(words));
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(words[i], plan::ll_word(payload[i], tag));
+    EXPECT_EQ(plan::ll_word_payload(words[i]), payload[i]);
+    EXPECT_EQ(plan::ll_word_tag(words[i]), tag);
+  }
+  // The reset a reader writes back never reads as valid again, nor as another call's data.
+  EXPECT_NE(plan::ll_stale(tag), tag);
+  EXPECT_FALSE(plan::ll_foreign(plan::ll_stale(tag), tag));
 }
 
 // ------------------------------------------------------------------ no GPU here
@@ -297,6 +353,18 @@ TEST(CudaDevice, LoopbackSaysNoDeviceIsVisible) {
   if (device_visible()) GTEST_SKIP() << "a CUDA device is visible; this checks GPU-less hosts";
   const plan::Layout layout = plan::make_layout(4096, 4, 4);
   expect_no_device_error([&] { CudaLoopback loopback(layout, 0, 0, 30.0); });
+}
+
+TEST(CudaDevice, PdlCanBeSwitchedOffWithoutAskingTheDevice) {
+  const char* saved = std::getenv("PCIE_ALLREDUCE_PDL");
+  const std::string previous = saved != nullptr ? saved : "";
+  ::setenv("PCIE_ALLREDUCE_PDL", "0", 1);
+  EXPECT_FALSE(pdl_enabled(0));  // no CUDA call: works with or without a GPU
+  if (saved != nullptr) {
+    ::setenv("PCIE_ALLREDUCE_PDL", previous.c_str(), 1);
+  } else {
+    ::unsetenv("PCIE_ALLREDUCE_PDL");
+  }
 }
 
 TEST(CudaDevice, TimeoutIsConvertedToNanoseconds) {
