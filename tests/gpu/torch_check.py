@@ -26,6 +26,11 @@ TABLES = {
     "oneshot/pull/unstaged": "*,*,*,0,*,oneshot,pull,0,8,512\n",
     "twoshot/push/unstaged": "*,*,*,0,*,twoshot,push,0,16,256\n",
     "twoshot/pull/staged": "*,*,*,0,*,twoshot,pull,1,2,1024\n",
+    # LL up to the LL slots' capacity (256 KiB), the flag protocol above it.
+    "oneshot/push/unstaged/ll": "*,*,*,0,262144,oneshot,push,0,8,256,ll\n"
+    "*,*,*,0,*,oneshot,push,0,8,256\n",
+    "twoshot/push/unstaged/ll": "*,*,*,0,262144,twoshot,push,0,4,512,ll\n"
+    "*,*,*,0,*,twoshot,push,0,4,512\n",
 }
 
 
@@ -90,6 +95,22 @@ def body(rank: int, world: int) -> list[str]:
                 f"PASS {label}: {calls + 41} checked calls + graph x40; 12 KiB eager "
                 f"{us:.1f} us/call (time-sliced); calls={stats['calls']}"
             )
+    # Calls that switch streams with no wait between the streams: the communicator orders each
+    # call after the previous stream's calls (an event), so no two run one generation at once.
+    ll_table = TABLES["oneshot/push/unstaged/ll"]
+    with PcieAllReduce(None, dev, max_numel=1 << 14, table=ll_table) as ar:
+        side = torch.cuda.Stream(dev)
+        inputs = [rank_input(rank, 4096, torch.bfloat16, seed=200 + i).to(dev) for i in range(20)]
+        torch.cuda.synchronize(dev)
+        outs = []
+        for i, x in enumerate(inputs):
+            with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream(dev)):
+                outs.append(ar.all_reduce(x))
+        torch.cuda.synchronize(dev)
+        ar.synchronize()
+        for i, out in enumerate(outs):
+            check(out, world, 4096, "bf16", seed=200 + i)
+        lines.append("PASS stream switches: 20 calls alternating two streams")
     # Declines go to the group's all-reduce and leave the input alone.
     with PcieAllReduce(None, dev, max_numel=1024) as ar:
         big = rank_input(rank, 4096, torch.float32).to(dev)

@@ -92,7 +92,8 @@ def test_cost_counts_serial_fences_waits_and_hops():
     staged = plan.build("oneshot", 8, staged=True).cost()
     assert (staged["system_fences"], staged["local_waits"], staged["fabric_hops"]) == (7, 7, 7)
     unstaged = plan.build("oneshot", 8, staged=False).cost()
-    assert (unstaged["system_fences"], unstaged["local_waits"], unstaged["fabric_hops"]) == (1, 1, 1)
+    assert (unstaged["system_fences"], unstaged["local_waits"],
+            unstaged["fabric_hops"]) == (1, 1, 1)
     island = plan.build("island_oneshot", 8, islands=TWO_BY_FOUR, staged=False, protocol="ll")
     assert island.cost()["fabric_hops"] == 2 and island.cost()["cross_island"] == 4.0
 
