@@ -352,6 +352,7 @@ void bind_communicator(py::module_& m) {
         out["calls"] = s.calls;
         out["declines"] = s.declines;
         out["bytes_sent_per_peer"] = s.bytes_sent_per_peer;
+        out["staged"] = s.staged;
         return out;
       });
 

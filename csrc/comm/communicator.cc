@@ -1,12 +1,15 @@
 #include "comm/communicator.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -35,6 +38,40 @@ uint64_t decision_key(plan::DType dtype, int64_t bytes) {
 
 bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % plan::kVectorBytes == 0;
+}
+
+// What the executors can address directly: one dense, 16-byte aligned run of elements.
+bool executor_ready(const at::Tensor& t) { return t.is_contiguous() && aligned16(t); }
+
+// A contiguous copy at the start of a fresh allocation (so 16-byte aligned) with t's values.
+at::Tensor staged_copy(const at::Tensor& t) {
+  at::Tensor copy = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  copy.copy_(t);
+  return copy;
+}
+
+// [first, last] bytes of storage that a tensor's elements can touch.
+std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  uintptr_t last = first + t.element_size() - 1;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += static_cast<uintptr_t>((t.size(d) - 1) * std::abs(t.stride(d)) * t.element_size());
+  }
+  return {first, last};
+}
+
+// True when two tensors may share a byte (conservative for interleaved strided views).
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto [a0, a1] = byte_extent(a);
+  const auto [b0, b1] = byte_extent(b);
+  return a0 <= b1 && b0 <= a1;
+}
+
+std::string describe(const at::Tensor& t) {
+  std::string shape = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) shape += (i ? ", " : "") + std::to_string(t.size(i));
+  return std::string(c10::toString(t.scalar_type())) + " " + shape + "] on " + t.device().str();
 }
 
 // The stream a GPU transport enqueues on: the caller's current stream, as torch sees it.
@@ -161,13 +198,11 @@ Decline Communicator::supports(const at::Tensor& t) const {
   if (device < 0 ? !t.device().is_cpu() : !(t.is_cuda() && t.device().index() == device)) {
     return Decline::kDevice;
   }
-  if (!t.is_contiguous()) return Decline::kNotContiguous;
   if (t.numel() == 0) return Decline::kEmpty;
   if ((t.numel() * plan::dtype_bytes(*dtype)) % plan::kVectorBytes != 0) {
     return Decline::kNot16ByteMultiple;
   }
   if (t.numel() > options_.max_numel) return Decline::kTooLarge;
-  if (!aligned16(t)) return Decline::kMisaligned;
   if (!connected_) return Decline::kDisabled;
   return Decline::kNone;
 }
@@ -274,52 +309,97 @@ void Communicator::run_fallback(const at::Tensor& inp, at::Tensor& out) {
   wait.callBoxed(&stack);
 }
 
-void Communicator::check_out(const at::Tensor& inp, const at::Tensor& out) const {
-  if (out.scalar_type() != inp.scalar_type() || !out.sizes().equals(inp.sizes()) ||
-      supports(out) != Decline::kNone) {
-    throw std::invalid_argument(
-        "out must be a contiguous, 16-byte aligned tensor with the input's dtype, shape and "
-        "device");
+void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) const {
+  if (workspace_) {
+    const int device = workspace_->device();
+    const bool here =
+        device < 0 ? inp.device().is_cpu() : inp.is_cuda() && inp.device().index() == device;
+    if (!here) {
+      throw std::invalid_argument(
+          "the input is a " + describe(inp) + "; this communicator all-reduces tensors on " +
+          (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)));
+    }
   }
-  const auto in = reinterpret_cast<uintptr_t>(inp.data_ptr());
-  const auto to = reinterpret_cast<uintptr_t>(out.data_ptr());
-  const auto bytes = static_cast<uintptr_t>(inp.nbytes());
-  if (in < to + bytes && to < in + bytes) {
+  if (!out.is_same(inp)) {
+    if (out.scalar_type() != inp.scalar_type() || !out.sizes().equals(inp.sizes()) ||
+        out.device() != inp.device()) {
+      throw std::invalid_argument(
+          "out must have the input's dtype, shape and device: the input "
+          "is a " +
+          describe(inp) + ", out a " + describe(out));
+    }
+    if (may_overlap(inp, out)) {
+      throw std::invalid_argument(
+          "out overlaps the input without being the same tensor; pass the input itself for an "
+          "in-place all-reduce (all_reduce_) or a disjoint tensor");
+    }
+  }
+  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
     throw std::invalid_argument(
-        "out overlaps the input without being the same tensor; pass the input itself for an "
-        "in-place all-reduce (all_reduce_) or a disjoint tensor");
+        "unsupported operation: more than one element of the written-to tensor refers to a "
+        "single memory location (an expanded or overlapping view); clone() it first");
   }
 }
 
+// Raises on a second call that enters while one is running: the communicator's generations
+// and workspace serve one call at a time (one communicator, one thread, one stream).
+class Communicator::CallGuard {
+ public:
+  explicit CallGuard(std::atomic<bool>& busy) : busy_(busy) {
+    if (busy_.exchange(true, std::memory_order_acquire)) {
+      throw std::runtime_error(
+          "two all-reduce calls entered one pcie_allreduce communicator at once (threads sharing "
+          "it?); a communicator serves one thread at a time: give each thread its own, or "
+          "serialise the calls");
+    }
+  }
+  ~CallGuard() { busy_.store(false, std::memory_order_release); }
+  CallGuard(const CallGuard&) = delete;
+  CallGuard& operator=(const CallGuard&) = delete;
+
+ private:
+  std::atomic<bool>& busy_;
+};
+
 void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
+  const CallGuard guard(busy_);
   raise_if_failed();
   reduce_into(inp, out);
 }
 
 at::Tensor Communicator::all_reduce(const at::Tensor& inp) {
+  const CallGuard guard(busy_);
   raise_if_failed();
   at::Tensor out = at::empty(inp.sizes(), inp.options());  // contiguous, whatever inp's strides
   reduce_into(inp, out);
   return out;
 }
 
+// The path of a call (kernels or fallback) depends only on what every rank agrees on: numel,
+// dtype, the table and the enabled state. A tensor's own layout never changes it: a strided,
+// offset or misaligned input or out is staged through a contiguous copy instead.
 void Communicator::reduce_into(const at::Tensor& inp, at::Tensor& out) {
-  Decline decline = supports(inp);
-  if (decline == Decline::kNone && !out.is_same(inp)) check_out(inp, out);
+  check_call(inp, out);
+  const bool in_place = out.is_same(inp);
+  const at::Tensor src = executor_ready(inp) ? inp : staged_copy(inp);
+  at::Tensor dst = in_place ? src : executor_ready(out) ? out : at::empty_like(src);
+  if (!src.is_same(inp) || !dst.is_same(out)) ++staged_;
+  Decline decline = supports(src);
   Decision* decision = nullptr;
   plan::DType dtype{};
   if (decline == Decline::kNone) {
-    dtype = *to_plan_dtype(inp.scalar_type());
-    decision = &decide(dtype, inp.numel() * plan::dtype_bytes(dtype));
+    dtype = *to_plan_dtype(src.scalar_type());
+    decision = &decide(dtype, src.numel() * plan::dtype_bytes(dtype));
     if (decision->fallback) decline = Decline::kTable;
   }
   if (decline != Decline::kNone) {
-    note_decline(decline, inp);
+    note_decline(decline, src);
     ++calls_["fallback"];
-    run_fallback(inp, out);
-    return;
+    run_fallback(src, dst);
+  } else {
+    run_kernels(*decision, dtype, src, dst);
   }
-  run_kernels(*decision, dtype, inp, out);
+  if (!dst.is_same(out)) out.copy_(dst);
 }
 
 void Communicator::run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
@@ -407,6 +487,7 @@ Stats Communicator::stats() const {
     if (declines_[i]) s.declines[std::string(decline_name(static_cast<Decline>(i)))] = declines_[i];
   }
   s.bytes_sent_per_peer = bytes_sent_;
+  s.staged = staged_;
   return s;
 }
 

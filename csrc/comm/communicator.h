@@ -13,6 +13,7 @@
 #include <ATen/Tensor.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -44,14 +45,14 @@ enum class Decline : uint8_t {
   kWorldSize = 2,      // world size outside 2..8
   kDtype = 3,          // not bf16/fp16/fp32 or not in the admitted set
   kDevice = 4,         // not on this communicator's device
-  kNotContiguous = 5,  // strided view
+  kNotContiguous = 5,  // no longer used: strided views are staged through a contiguous copy
   kNot16ByteMultiple = 6,
   kTooLarge = 7,  // numel > max_numel: prefill-sized, NCCL's ring territory
   kEmpty = 8,
   kNvLink = 9,       // NVLink peers: the engine's own custom all-reduce is faster
   kNoP2P = 10,       // a pair failed the write-and-verify P2P test
   kTable = 11,       // the tuning table chose the fallback for this size
-  kMisaligned = 12,  // data pointer not 16-byte aligned
+  kMisaligned = 12,  // no longer used: misaligned tensors are staged like strided ones
 };
 std::string_view decline_name(Decline decline);
 // The inverse of decline_name(); throws std::invalid_argument naming the unknown reason.
@@ -81,6 +82,7 @@ struct Stats {
   std::map<std::string, int64_t> calls;     // tactic label (or "fallback") -> count
   std::map<std::string, int64_t> declines;  // decline name -> count
   std::vector<int64_t> bytes_sent_per_peer;
+  int64_t staged = 0;  // calls whose input or out went through a contiguous copy
 };
 
 class Communicator {
@@ -98,9 +100,10 @@ class Communicator {
   // segment's name, so nothing is left in /dev/shm), and start admitting calls.
   void retire_token();
 
-  // The per-call admission: can the kernels run this exact tensor? Never throws. Everything a
-  // transport assumes about a call (transport::Call) follows from kNone here plus the checks
-  // all_reduce() makes on `out`.
+  // The per-call admission: can the kernels run a tensor of this numel and dtype on this
+  // device? Never throws. Every reason depends only on what all ranks agree on (numel, dtype,
+  // max_numel, the enabled state), except kDevice, which all_reduce() raises instead of
+  // declining. A strided or misaligned tensor is admitted: all_reduce() stages it.
   Decline supports(const at::Tensor& t) const;
   // supports() and then the table: kTable when the table chose the fallback.
   Decline decline_reason(const at::Tensor& t);
@@ -108,9 +111,12 @@ class Communicator {
   std::string chosen_tactic(const at::Tensor& t);
 
   // Always the correct sum: kernels when admitted and chosen, the group's all-reduce otherwise.
-  // `out` may be `inp` (in place); otherwise it must have inp's dtype, shape and device, be
-  // contiguous and 16-byte aligned, and not overlap inp (std::invalid_argument says which).
-  // A declined input is never modified. A timeout or a peer disagreement throws Failure.
+  // `out` may be `inp` (in place); otherwise it must have inp's dtype, shape and device and not
+  // overlap inp. Any layout works (strided, offset, misaligned: staged through a contiguous
+  // copy, counted in stats().staged); a written-to tensor with internal overlap (expand) and
+  // an input on another device raise std::invalid_argument before any communication. A
+  // declined input is never modified. A timeout or a peer disagreement throws Failure; a
+  // second call entering while one runs (two threads) throws std::runtime_error.
   void all_reduce(const at::Tensor& inp, at::Tensor& out);
   // The same into a new contiguous tensor. A failure recorded by an earlier (asynchronous)
   // call is raised before anything is allocated on a device that may have died with it.
@@ -150,7 +156,8 @@ class Communicator {
 
   Decision& decide(plan::DType dtype, int64_t bytes);
   InstalledProgram& program_for(const plan::Tactic& tactic);
-  void check_out(const at::Tensor& inp, const at::Tensor& out) const;
+  class CallGuard;
+  void check_call(const at::Tensor& inp, const at::Tensor& out) const;
   void reduce_into(const at::Tensor& inp, at::Tensor& out);
   void run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
                    at::Tensor& out);
@@ -170,6 +177,8 @@ class Communicator {
   std::array<bool, 16> decline_logged_{};
   std::vector<int64_t> bytes_sent_;
   std::optional<plan::Diagnostic> failure_;
+  int64_t staged_ = 0;
+  std::atomic<bool> busy_{false};
   bool connected_ = false;
   bool released_ = false;
 };

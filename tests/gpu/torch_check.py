@@ -120,6 +120,11 @@ def body(rank: int, world: int) -> list[str]:
         assert torch.equal(big, before)
         check(out, world, 4096, "fp32")
         assert ar.decline_reason(big.cpu()) == "device"
+        try:  # a tensor on the wrong device is a programming error: it raises, it never declines
+            ar.all_reduce(big.cpu())
+            raise AssertionError("a CPU tensor was accepted by a CUDA communicator")
+        except ValueError as error:
+            assert "this communicator all-reduces tensors on cuda:0" in str(error), error
         lines.append(f"PASS declines: {ar.stats()['declines']}")
     # Timeout: rank 1 never calls; rank 0's kernel traps and names it. A trapped kernel leaves
     # the CUDA context unusable (freeing a tensor then aborts the process), so rank 0 reports
