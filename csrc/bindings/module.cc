@@ -34,10 +34,8 @@ plan::DType dtype_from_name(const std::string& name) {
 
 py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) {
   py::dict out;
-  const auto kind = static_cast<plan::FailureKind>(d.kind);
   const char* kinds[] = {"none", "timeout", "mismatch", "ll_timeout", "ll_mismatch"};
   out["kind"] = d.kind < std::size(kinds) ? kinds[d.kind] : "unknown";
-  (void)kind;
   out["rank"] = d.rank;
   out["peer"] = d.peer;
   out["step"] = d.step;

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -43,31 +42,21 @@ bool aligned16(const at::Tensor& t) {
 // What the executors can address directly: one dense, 16-byte aligned run of elements.
 bool executor_ready(const at::Tensor& t) { return t.is_contiguous() && aligned16(t); }
 
-// A contiguous copy at the start of a fresh allocation (so 16-byte aligned) with t's values.
-at::Tensor staged_copy(const at::Tensor& t) {
-  at::Tensor copy = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
-  copy.copy_(t);
-  return copy;
-}
-
-// [first, last] bytes of storage that a tensor's elements can touch.
-std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
-  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
-  uintptr_t last = first + t.element_size() - 1;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    last += static_cast<uintptr_t>((t.size(d) - 1) * std::abs(t.stride(d)) * t.element_size());
-  }
-  return {first, last};
-}
-
-// True when two tensors may share a byte (conservative for interleaved strided views).
+// True when two tensors may share a byte. ATen cannot always tell for strided views of one
+// storage; those count as overlapping (conservative, and the message says what to pass).
 bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  const auto [a0, a1] = byte_extent(a);
-  const auto [b0, b1] = byte_extent(b);
-  return a0 <= b1 && b0 <= a1;
+  switch (at::get_overlap_status(a, b)) {
+    case at::MemOverlapStatus::Full:
+    case at::MemOverlapStatus::Partial:
+      return true;
+    case at::MemOverlapStatus::TooHard:
+      return a.storage().is_alias_of(b.storage());
+    default:
+      return false;
+  }
 }
 
+// "Float [32, 32] on cpu", for messages.
 std::string describe(const at::Tensor& t) {
   std::string shape = "[";
   for (int64_t i = 0; i < t.dim(); ++i) shape += (i ? ", " : "") + std::to_string(t.size(i));
@@ -280,11 +269,7 @@ void Communicator::note_decline(Decline decline, const at::Tensor& t) {
   ++declines_[index];
   if (decline_logged_[index]) return;
   decline_logged_[index] = true;
-  std::string shape = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) shape += (i ? ", " : "") + std::to_string(t.size(i));
-  shape += "]";
-  log(1, "declines a " + std::string(c10::toString(t.scalar_type())) + " tensor of shape " + shape +
-             " on " + t.device().str() + " (" + std::string(decline_name(decline)) +
+  log(1, "declines a " + describe(t) + " tensor (" + std::string(decline_name(decline)) +
              (decline == Decline::kDisabled && !options_.disabled_detail.empty()
                   ? ": " + options_.disabled_detail
                   : "") +
@@ -381,7 +366,7 @@ at::Tensor Communicator::all_reduce(const at::Tensor& inp) {
 void Communicator::reduce_into(const at::Tensor& inp, at::Tensor& out) {
   check_call(inp, out);
   const bool in_place = out.is_same(inp);
-  const at::Tensor src = executor_ready(inp) ? inp : staged_copy(inp);
+  const at::Tensor src = executor_ready(inp) ? inp : inp.clone(at::MemoryFormat::Contiguous);
   at::Tensor dst = in_place ? src : executor_ready(out) ? out : at::empty_like(src);
   if (!src.is_same(inp) || !dst.is_same(out)) ++staged_;
   Decline decline = supports(src);
