@@ -4,6 +4,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
@@ -101,12 +102,14 @@ std::string_view decline_name(Decline decline) {
       return "table";
     case Decline::kMisaligned:
       return "misaligned";
+    case Decline::kMultiHost:
+      return "multi_host";
   }
   return "unknown";
 }
 
 Decline parse_decline(std::string_view name) {
-  for (int i = 0; i <= static_cast<int>(Decline::kMisaligned); ++i) {
+  for (int i = 0; i <= static_cast<int>(Decline::kMultiHost); ++i) {
     if (decline_name(static_cast<Decline>(i)) == name) return static_cast<Decline>(i);
   }
   throw std::invalid_argument("unknown decline reason '" + std::string(name) + "'");
@@ -294,6 +297,29 @@ void Communicator::run_fallback(const at::Tensor& inp, at::Tensor& out) {
   wait.callBoxed(&stack);
 }
 
+namespace {
+// The autograd rules torch's own in-place and out= ops enforce: the op has no derivative, so
+// writing into a tensor that autograd tracks would silently break its gradient.
+void check_writable(const at::Tensor& out, bool in_place) {
+  if (out.requires_grad() && at::GradMode::is_enabled()) {
+    throw std::runtime_error(
+        in_place && out.is_leaf()
+            ? "a leaf Variable that requires grad is being used in an in-place operation "
+              "(all_reduce_); call it under torch.no_grad() or on a tensor that does not "
+              "require grad"
+            : std::string(in_place ? "all_reduce_" : "all_reduce(out=)") +
+                  " has no derivative, but the tensor it writes requires grad; call it under "
+                  "torch.no_grad() or on a detached tensor");
+  }
+  if (out.is_inference() && !c10::InferenceMode::is_enabled()) {
+    throw std::runtime_error(
+        "Inplace update to inference tensor outside InferenceMode is not allowed: the tensor "
+        "all_reduce writes was created in inference mode; call it inside "
+        "torch.inference_mode() or clone() the tensor first");
+  }
+}
+}  // namespace
+
 void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) const {
   if (workspace_) {
     const int device = workspace_->device();
@@ -319,6 +345,7 @@ void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) cons
           "in-place all-reduce (all_reduce_) or a disjoint tensor");
     }
   }
+  check_writable(out, out.is_same(inp));
   if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
     throw std::invalid_argument(
         "unsupported operation: more than one element of the written-to tensor refers to a "

@@ -53,6 +53,7 @@ enum class Decline : uint8_t {
   kNoP2P = 10,       // a pair failed the write-and-verify P2P test
   kTable = 11,       // the tuning table chose the fallback for this size
   kMisaligned = 12,  // no longer used: misaligned tensors are staged like strided ones
+  kMultiHost = 13,   // the group spans hosts (hostname or boot id differ): no shared memory
 };
 std::string_view decline_name(Decline decline);
 // The inverse of decline_name(); throws std::invalid_argument naming the unknown reason.

@@ -109,9 +109,9 @@ def _verify(r: _Rank, x: torch.Tensor, dtype_name: str) -> int:
     # Tensor-parallel replicas diverge unless every rank gets the same bits.
     as_int = torch.int16 if x.element_size() == 2 else torch.int32
     bits = out.cpu().view(as_int).long().sum().item()
-    all_bits: List[int] = [0] * r.world
-    dist.all_gather_object(all_bits, bits, group=r.cpu_group)
-    if len(set(all_bits)) != 1:
+    all_bits = [torch.zeros(1, dtype=torch.int64) for _ in range(r.world)]
+    dist.all_gather(all_bits, torch.tensor([bits], dtype=torch.int64), group=r.cpu_group)
+    if len({int(b.item()) for b in all_bits}) != 1:
         wrong = max(wrong, 1)
     return wrong
 
@@ -210,25 +210,43 @@ def _transport_and_world(args: argparse.Namespace) -> Tuple[str, int, Optional[s
                 f"--transport cuda needs at least 2 GPUs, found {gpus}; "
                 "use --transport host on this machine"
             )
-        world = args.world or min(gpus, 8)
+        world = min(gpus, 8) if args.world is None else args.world
         if world > gpus:
             return transport, world, f"--world {world} > {gpus} GPUs"
     else:
-        world = args.world or 2
+        world = 2 if args.world is None else args.world
     if not 2 <= world <= 8:
         return transport, world, f"--world must be in 2..8, got {world}"
     if args.graph and transport != "cuda":
         return transport, world, "--graph needs --transport cuda"
+    return transport, world, _arguments_problem(args)
+
+
+def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the size range, --table or --json, found before any rank starts."""
     if args.min_bytes > args.max_bytes:
-        return transport, world, "--min-bytes exceeds --max-bytes"
-    return transport, world, None
+        return "--min-bytes exceeds --max-bytes"
+    elem = DTYPES[args.dtype].itemsize
+    if not sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem):
+        return (
+            f"no message size in --min-bytes {args.min_bytes} .. --max-bytes {args.max_bytes}: "
+            "sizes are multiples of 16 bytes; raise --max-bytes to at least 16"
+        )
+    if args.table is not None and not os.path.isfile(args.table):
+        return f"--table {args.table!r}: no such file (expected a tuning-table CSV file)"
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return f"--json {args.json!r}: folder {folder!r} does not exist or is not writable"
+    return None
 
 
 def _print_header(transport: str, world: int, dtype_name: str) -> None:
     fallback = "nccl" if transport == "cuda" else "gloo"
     print(
         f"# pcie-allreduce bench: transport={transport} world={world} dtype={dtype_name} "
-        f"fallback={fallback} host={platform.node()} cpus={os.cpu_count()} torch={torch.__version__}"
+        f"fallback={fallback} host={platform.node()} cpus={os.cpu_count()} "
+        f"torch={torch.__version__}"
     )
     print(
         f"# {'':>34} {'pcie_allreduce':^36} {'fallback':>12}\n"

@@ -8,7 +8,9 @@ so the result is always the correct sum. Construction and ``destroy()`` are coll
 from __future__ import annotations
 
 import logging
+import math
 import os
+import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from . import _C
 from .env import read_env
+from .bootstrap import Bootstrap
 from .errors import PcieAllReduceTimeout
 from .plan import island_map
 
@@ -26,17 +29,28 @@ DEFAULT_ROWS = 64
 DEFAULT_HIDDEN = 8192
 
 
+def _whole(name: str, value: Any) -> int:
+    """``value`` as an int when it is a whole number (bool and 1024.5 are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
 def resolve_max_numel(
     max_numel: Optional[int], hidden: Optional[int], max_rows: Optional[int]
 ) -> int:
     """explicit max_numel > PCIE_ALLREDUCE_MAX_NUMEL > max_rows x hidden > 64 rows (warned)."""
     if max_numel is not None:
-        if int(max_numel) <= 0 or int(max_numel) % 8 != 0:
+        value = _whole("max_numel", max_numel)
+        if value <= 0 or value % 8 != 0:
             raise ValueError(f"max_numel must be a positive multiple of 8, got {max_numel!r}")
-        return int(max_numel)
+        return value
     from_env = read_env().max_numel
     if from_env is not None:
         return from_env
+    for name, value in (("hidden", hidden), ("max_rows", max_rows)):
+        if value is not None and _whole(name, value) <= 0:
+            raise ValueError(f"{name} must be a positive whole number, got {value!r}")
     if hidden is not None and max_rows is not None:
         return int(hidden) * int(max_rows)
     rows = DEFAULT_ROWS
@@ -51,16 +65,61 @@ def resolve_max_numel(
     return rows * width
 
 
+def resolve_timeout(timeout_s: Optional[float], from_env: float) -> float:
+    """The constructor's timeout_s under the same rule as PCIE_ALLREDUCE_TIMEOUT_S."""
+    if timeout_s is None:
+        return from_env
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+        0 <= timeout_s < math.inf
+    ):
+        raise ValueError(
+            f"timeout_s must be a finite number of seconds >= 0 (0 waits forever), got "
+            f"{timeout_s!r}"
+        )
+    return float(timeout_s)
+
+
+def _read_text(path: str, what: str) -> str:
+    """A table file's text, or an error naming the file and what was expected."""
+    file = Path(path)
+    if not file.is_file():
+        problem = "is a directory" if file.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{what} {path!r} {problem}; expected a tuning-table CSV file")
+    try:
+        return file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{what} {path!r} is not a text tuning table (not UTF-8 at byte {error.start})"
+        ) from None
+
+
 def _read_table(table: Optional[str]) -> tuple[str, str]:
-    """(csv text, source name) from a table argument or PCIE_ALLREDUCE_TABLE; ('', 'embedded')."""
+    """(csv text, source name) from a table argument or PCIE_ALLREDUCE_TABLE; ('', 'embedded').
+
+    ``table`` is CSV text when it holds a newline or a comma, else a path to a CSV file."""
     if table is None:
         table = read_env().table
         if table is None:
             return "", "embedded seed table"
-        return Path(table).read_text(), table
-    if "\n" not in table and "," not in table and Path(table).exists():
-        return Path(table).read_text(), str(table)
+        return _read_text(table, "PCIE_ALLREDUCE_TABLE"), table
+    if not isinstance(table, str) or table.strip() == "":
+        raise ValueError(
+            f"table must be CSV text or a path to a CSV file, got {table!r} (pass None for "
+            "PCIE_ALLREDUCE_TABLE or the embedded seed table)"
+        )
+    if "\n" not in table and "," not in table:
+        return _read_text(table, "table file"), str(table)
     return table, "table argument"
+
+
+def host_identity() -> str:
+    """Which machine (and which boot of it) this process runs on: ranks that differ here cannot
+    share memory, so the group stays on its own all-reduce (``multi_host``)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _cpu_group_for(group: Any, cpu_group: Any) -> Any:
@@ -110,12 +169,18 @@ class PcieAllReduce:
         )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._cpu_group = _cpu_group_for(self.group, cpu_group)
         self.max_numel = resolve_max_numel(max_numel, hidden, max_rows)
-        self.timeout_s = env.timeout_s if timeout_s is None else float(timeout_s)
+        self.timeout_s = resolve_timeout(timeout_s, env.timeout_s)
+        self._cpu_group = _cpu_group_for(self.group, cpu_group)
+        self._boot = Bootstrap(self._cpu_group, self.timeout_s)
 
         opts = self._options(env, table, dtypes, initial_generation)
-        off = ("none", "") if enabled else ("disabled", "constructed with enabled=False")
+        off = ("none", "")
+        if not enabled:
+            off = ("disabled", "constructed with enabled=False")
+        elif env.enable is False:
+            off = ("disabled", "PCIE_ALLREDUCE_ENABLE=0")
+        off = self._meet(off)
         off = self._probe(opts, topology, islands, off)
         opts.disabled, opts.disabled_detail = self._handshake(opts, dtypes, off)
         self._comm = _C.Communicator(opts)
@@ -144,6 +209,22 @@ class PcieAllReduce:
         opts.log_level = env.log_level
         return opts
 
+    def _meet(self, off: Tuple[str, str]) -> Tuple[str, str]:
+        """The first exchange: every rank arrives (or is named), and ranks on different
+        machines turn the backend off before anything tries to share memory with a peer."""
+        met = self._boot.gather(
+            {"host": host_identity(), "id": int.from_bytes(os.urandom(6), "little")}, "meet"
+        )
+        self._id = met[0]["id"]  # rank 0's: names this communicator in destroy()'s farewell
+        hosts = [m["host"] for m in met]
+        if off[0] == "none" and len(set(hosts)) > 1:
+            other = next(r for r, h in enumerate(hosts) if h != hosts[0])
+            return "multi_host", (
+                f"rank 0 runs on {hosts[0]} and rank {other} on {hosts[other]}: shared memory "
+                "needs one host, so this group keeps its own all-reduce"
+            )
+        return off
+
     def _probe(
         self,
         opts: "_C.Options",
@@ -154,14 +235,14 @@ class PcieAllReduce:
         """Topology key and islands (collective on CUDA: every rank names its GPU); NVLink
         hosts turn the backend off. Returns the (reason, detail) the backend is off for."""
         opts.topology_key, opts.island_of = "host", island_map(self.world_size, islands)
-        if opts.transport != "cuda":
+        if opts.transport != "cuda" or off[0] == "multi_host":
             return off
         if islands is not None:
             opts.topology_key = _C.Topology.from_islands([list(i) for i in islands]).table_key()
             return off
         from .topology import probe_cuda_group
 
-        probe = probe_cuda_group(self._cpu_group, self.device, topology)
+        probe = probe_cuda_group(self._boot.gather, self.device, topology)
         opts.topology_key, opts.island_of = probe.table_key, probe.island_of
         if probe.decline is not None and off[0] == "none":
             return probe.decline, probe.detail
@@ -186,30 +267,24 @@ class PcieAllReduce:
             "timeout_s": self.timeout_s,
             "disabled": off[0],
         }
-        everyone: List[Dict[str, Any]] = [None] * self.world_size  # type: ignore[list-item]
-        dist.all_gather_object(everyone, mine, group=self._cpu_group)
+        everyone: List[Dict[str, Any]] = self._boot.gather(mine, "handshake")
         return off if off[0] != "none" else _disagreement(everyone)
 
     def _connect(self) -> None:
         """Every rank maps every peer's workspace, then drops what let peers find its own."""
-        tokens = [None] * self.world_size
-        dist.all_gather_object(tokens, self._comm.local_token(), group=self._cpu_group)
+        tokens = self._boot.gather_bytes(self._comm.local_token(), "connect")
         self._comm.connect(tokens)
-        dist.barrier(group=self._cpu_group)
+        self._boot.barrier("connected")
         self._comm.retire_token()
 
     def _verify_p2p(self) -> None:
         """Every rank writes a pattern into every peer's workspace and checks what arrived:
         drivers report P2P that does not work, so only a real write is trusted."""
-        nonce = int.from_bytes(os.urandom(4), "little") if self.rank == 0 else 0
-        box = [nonce]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._cpu_group, 0),
-                                   group=self._cpu_group)
-        self._comm.probe_write(box[0])
-        dist.barrier(group=self._cpu_group)
-        missing = self._comm.probe_read(box[0])
-        everyone: List[List[int]] = [None] * self.world_size  # type: ignore[list-item]
-        dist.all_gather_object(everyone, missing, group=self._cpu_group)
+        nonce = int.from_bytes(os.urandom(4), "little")
+        nonce = self._boot.gather(nonce, "p2p check")[0]  # rank 0's
+        self._comm.probe_write(nonce)
+        self._boot.barrier("p2p written")
+        everyone: List[List[int]] = self._boot.gather(self._comm.probe_read(nonce), "p2p read")
         broken = [(src, dst) for dst, sources in enumerate(everyone) for src in sources]
         if broken:
             pairs = ", ".join(f"rank {s} -> rank {d}" for s, d in broken[:8])
@@ -297,9 +372,14 @@ class PcieAllReduce:
         _C.unregister_communicator(self.handle)
         failed = self._comm.failure() is not None
         self._comm.close_peers()
-        if not failed:  # a failed peer may be gone; do not wait for it
-            dist.barrier(group=self._cpu_group)
-        self._comm.release()
+        try:
+            # No peer may still use our workspace when we free it, but a rank that failed
+            # knows a peer did too (it may be gone): it tells the others and waits for nobody.
+            self._boot.farewell(self._id, failed)
+        except PcieAllReduceTimeout as error:
+            logger.warning("pcie_allreduce: destroy() did not wait for every peer: %s", error)
+        finally:
+            self._comm.release()
 
     def __enter__(self) -> "PcieAllReduce":
         return self

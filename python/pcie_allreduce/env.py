@@ -17,16 +17,19 @@ _LOG_LEVELS = {"quiet": 0, "warning": 1, "info": 1, "debug": 2}
 
 @dataclass(frozen=True)
 class Env:
-    enable: bool
+    # PCIE_ALLREDUCE_ENABLE: None when unset (direct library use on, engine integrations off),
+    # False for 0 (the kernels off everywhere: communicators construct disabled), True for 1
+    # (also lets the engine integrations install themselves).
+    enable: Optional[bool]
     max_numel: Optional[int]
     table: Optional[str]
     timeout_s: float
     log_level: int
 
 
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+def _flag(env: Mapping[str, str], name: str, default: Optional[bool]) -> Optional[bool]:
     raw = env.get(name)
-    if raw is None:
+    if raw is None or (default is None and raw.strip() == ""):
         return default
     value = raw.strip().lower()
     if value in _TRUE:
@@ -81,11 +84,16 @@ def _log_level(env: Mapping[str, str]) -> int:
     )
 
 
+def integrations_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the engine integrations may install themselves: PCIE_ALLREDUCE_ENABLE=1 only."""
+    return read_env(env).enable is True
+
+
 def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
     env = os.environ if env is None else env
     table = env.get("PCIE_ALLREDUCE_TABLE") or None
     return Env(
-        enable=_flag(env, "PCIE_ALLREDUCE_ENABLE", False),
+        enable=_flag(env, "PCIE_ALLREDUCE_ENABLE", None),
         max_numel=_max_numel(env),
         table=table,
         timeout_s=_timeout(env),

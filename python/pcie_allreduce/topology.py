@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -85,16 +85,14 @@ class GroupTopology:
 
 
 def probe_cuda_group(
-    cpu_group: Any, device: torch.device, given: Optional[Any] = None
+    gather: Callable[[Any, str], List[Any]], device: torch.device, given: Optional[Any] = None
 ) -> GroupTopology:
-    """Islands and NVLink for the GPUs of a group (collective over its gloo `cpu_group`)."""
-    import torch.distributed as dist
-
+    """Islands and NVLink for the GPUs of a group (collective: ``gather(obj, step)`` returns
+    every rank's ``obj``, as :meth:`Bootstrap.gather` does)."""
     props = torch.cuda.get_device_properties(device)
     mine = {"bus": _norm_bus(getattr(props, "pci_bus_id", "") or ""), "name": props.name}
-    world = dist.get_world_size(cpu_group)
-    everyone: List[Dict[str, str]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine, group=cpu_group)
+    everyone: List[Dict[str, str]] = gather(mine, "topology probe")
+    world = len(everyone)
     topo = given if given is not None else probe()
     if topo is None:
         return GroupTopology(table_key="flat", island_of=[], detail="nvidia-smi unavailable: flat")

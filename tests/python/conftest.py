@@ -56,7 +56,7 @@ def _entry(
 
 def _attrs(e: BaseException) -> Dict[str, Any]:
     out = {}
-    for name in ("diagnostic",):
+    for name in ("diagnostic", "elapsed"):
         if hasattr(e, name):
             out[name] = getattr(e, name)
     return out

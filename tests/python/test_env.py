@@ -7,7 +7,7 @@ from pcie_allreduce.env import read_env
 
 def test_defaults():
     e = read_env({})
-    assert e.enable is False and e.max_numel is None and e.timeout_s == 30.0
+    assert e.enable is None and e.max_numel is None and e.timeout_s == 30.0
     assert e.log_level == 1
 
 

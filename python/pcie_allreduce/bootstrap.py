@@ -1,0 +1,175 @@
+"""Construction-time exchanges between the ranks of a group, each bounded by the timeout.
+
+``torch.distributed``'s object collectives block until every rank arrives (a rank that failed
+and went on holds the others forever) and need numpy. Here every exchange is point-to-point
+over the group's gloo ``cpu_group``: each rank sends its bytes to every peer and waits for
+every peer's until a deadline, so when a rank does not arrive the others raise
+:class:`PcieAllReduceTimeout` naming it, within the timeout, and nothing but torch is needed.
+
+A failed exchange leaves unmatched messages in ``cpu_group`` (and a daemon thread blocked on
+each): re-create the process group before constructing again after a construction error.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import PcieAllReduceTimeout
+
+# gloo matches point-to-point messages by (peer, tag): one tag per kind of exchange, so a
+# late message of one exchange is never taken for another.
+_TAGS = {"length": 0x50410, "data": 0x50411, "leave": 0x50412}
+
+
+# Sends nobody waits for (to or from a failed rank): alive for the life of the process, so
+# gloo can still deliver them and the pair's later messages are not blocked.
+_never_taken: List[Any] = []
+
+
+class Bootstrap:
+    """Bounded gathers and barriers over ``cpu_group`` (gloo) for one communicator."""
+
+    def __init__(self, cpu_group: Any, timeout_s: float) -> None:
+        self.group = cpu_group
+        self.rank = dist.get_rank(cpu_group)
+        self.world = dist.get_world_size(cpu_group)
+        self.timeout_s = timeout_s
+        self._peers = [p for p in range(self.world) if p != self.rank]
+
+    def gather_bytes(self, data: bytes, step: str) -> List[bytes]:
+        """Every rank's ``data``, in rank order; raises naming the ranks that did not arrive."""
+        deadline = self._deadline()
+        lengths = {p: torch.zeros(1, dtype=torch.int64) for p in self._peers}
+        self._exchange(torch.tensor([len(data)], dtype=torch.int64), lengths, "length",
+                       deadline, step)
+        bufs = {p: torch.empty(int(lengths[p].item()), dtype=torch.uint8) for p in self._peers}
+        if data or any(b.numel() for b in bufs.values()):
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+            self._exchange(payload, {p: b for p, b in bufs.items() if b.numel()}, "data",
+                           deadline, step)
+        return [data if p == self.rank else bytes(bufs[p].tolist()) for p in range(self.world)]
+
+    def gather(self, obj: Any, step: str) -> List[Any]:
+        """Every rank's JSON-serialisable ``obj``, in rank order."""
+        raw = self.gather_bytes(json.dumps(obj, sort_keys=True).encode(), step)
+        return [json.loads(r.decode()) for r in raw]
+
+    def barrier(self, step: str) -> None:
+        self.gather_bytes(b"", step)
+
+    def farewell(self, epoch: int, failed: bool) -> None:
+        """The barrier of destroy(): no peer may still use a workspace when it is freed.
+
+        Every rank sends its peers ``(epoch, failed)``, ``epoch`` being the communicator's
+        agreed id. A rank that knows a peer failed (``failed``) waits for nothing: its sends
+        stay alive and are delivered whenever a peer receives. The others wait for every
+        peer's farewell (skipping stale ones of an earlier communicator on the same group),
+        and do not wait for a failed peer to take theirs."""
+        mine = torch.tensor([epoch, int(failed)], dtype=torch.int64)
+        if failed:
+            for p in self._peers:
+                try:
+                    _never_taken.append(dist.isend(mine, self._global(p), self.group,
+                                                   _TAGS["leave"]))
+                except RuntimeError:  # that peer died; nothing is owed to it
+                    pass
+            return
+        bufs = {p: torch.zeros(2, dtype=torch.int64) for p in self._peers}
+        self._exchange(mine, bufs, "leave", self._deadline(), "destroy",
+                       until=lambda got: int(got[0]) == epoch,
+                       takes_ours=lambda p: int(bufs[p][1]) == 0)
+
+    def _deadline(self) -> Optional[float]:
+        return None if self.timeout_s == 0 else time.monotonic() + self.timeout_s
+
+    def _exchange(
+        self,
+        payload: Optional[torch.Tensor],
+        into: Dict[int, torch.Tensor],
+        kind: str,
+        deadline: Optional[float],
+        step: str,
+        until: Optional[Callable[[torch.Tensor], bool]] = None,
+        takes_ours: Optional[Callable[[int], bool]] = None,
+    ) -> None:
+        """Sends ``payload`` to every peer and receives each ``into[peer]`` (repeated until
+        ``until(buffer)`` holds), until all are done or the deadline passed; then waits for
+        each peer to take our message, unless ``takes_ours(peer)`` says it never will.
+
+        gloo completes a send or receive only inside wait(), a send only once the peer takes
+        it, a wait that times out closes the connection, and a send dropped before it was
+        taken blocks that pair's later messages. So each peer's waits run without a timeout on
+        a daemon thread of their own while this thread keeps the deadline, and a send nobody
+        will take is kept alive for the life of the process (a few bytes per failure)."""
+        sends: Dict[int, Any] = {}
+        if payload is not None:
+            for p in self._peers:
+                try:
+                    sends[p] = dist.isend(payload, self._global(p), self.group, _TAGS[kind])
+                except RuntimeError as error:  # gloo: the connection to a dead peer is closed
+                    raise self._error([p], step, f"its connection is closed ({error})")
+
+        def run(peer: int) -> None:
+            if peer in into:
+                while True:
+                    dist.irecv(into[peer], self._global(peer), self.group, _TAGS[kind]).wait()
+                    if until is None or until(into[peer]):
+                        break
+            if peer in sends:
+                if takes_ours is None or takes_ours(peer):
+                    sends[peer].wait()
+                else:
+                    _never_taken.append(sends[peer])
+
+        self._await([p for p in self._peers if p in into or p in sends], run, deadline, step)
+
+    def _global(self, peer: int) -> int:
+        return dist.get_global_rank(self.group, peer)
+
+    def _await(
+        self, peers: List[int], run: Callable[[int], None], deadline: Optional[float], step: str
+    ) -> None:
+        done: Dict[int, Optional[BaseException]] = {}
+
+        def guarded(peer: int) -> None:
+            try:
+                run(peer)
+                done[peer] = None
+            except BaseException as error:  # reported by the polling thread
+                done[peer] = error
+
+        for p in peers:
+            threading.Thread(target=guarded, args=(p,), daemon=True,
+                             name=f"pcie_allreduce-peer-{p}").start()
+        pause = 2e-5
+        while len(done) < len(peers):
+            self._raise_failed(done, step)
+            if deadline is not None and time.monotonic() > deadline:
+                late = sorted(set(peers) - set(done))
+                raise self._error(late, step, f"it did not arrive within {self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        self._raise_failed(done, step)
+
+    def _raise_failed(self, done: Dict[int, Optional[BaseException]], step: str) -> None:
+        failed = sorted(p for p, error in list(done.items()) if error is not None)
+        if failed:
+            raise self._error(failed, step, f"the connection failed ({done[failed[0]]})")
+
+    def _error(self, missing: List[int], step: str, why: str) -> PcieAllReduceTimeout:
+        who = "rank" + "s" * (len(missing) > 1) + " " + ", ".join(str(r) for r in missing)
+        phase = "destroy()" if step == "destroy" else "construction"
+        message = (
+            f"pcie_allreduce {phase}: rank {self.rank} waited for {who} at '{step}', and {why}; "
+            "it failed before this step (see its log), is slower than PCIE_ALLREDUCE_TIMEOUT_S, "
+            "or never made this call. Re-create the process group before constructing again."
+        )
+        return PcieAllReduceTimeout(
+            message, {"peer": missing[0], "missing": missing, "stage": step, "rank": self.rank}
+        )
