@@ -111,13 +111,28 @@ bool looks_like_affinity(std::string_view s) {
   return s == "N/A" || (!s.empty() && s.front() >= '0' && s.front() <= '9');
 }
 
-std::string quote_excerpt(std::string_view s) {
+// At most 48 bytes of `s` for a message, printable ASCII and tab as is, other bytes as \xNN:
+// nvidia-smi prints ASCII, and a message quoting binary input must stay clean text (Python
+// decodes it as strict UTF-8; a raw control byte would garble a terminal).
+std::string excerpt(std::string_view s) {
   constexpr size_t kMax = 48;
-  std::string out = "'";
-  out += s.size() > kMax ? std::string(s.substr(0, kMax)) + "..." : std::string(s);
-  out += "'";
+  constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (const char ch : s.substr(0, kMax)) {
+    const auto c = static_cast<unsigned char>(ch);
+    if ((c >= 0x20 && c < 0x7F) || c == '\t') {
+      out.push_back(ch);
+    } else {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 0xF]);
+    }
+  }
+  if (s.size() > kMax) out += "...";
   return out;
 }
+
+std::string quote_excerpt(std::string_view s) { return "'" + excerpt(s) + "'"; }
 
 [[noreturn]] void fail_line(int line, const std::string& what) {
   throw TopologyError("nvidia-smi topo line " + std::to_string(line) + ": " + what);
@@ -628,7 +643,7 @@ void read_gpu_row(const Header& header, const std::vector<std::string_view>& tok
   for (int j = 0; j < columns; ++j) {
     const std::string_view token = tokens[1 + j];
     const auto cell = parse_cell(token);
-    const std::string where = " in column " + header.column_name(j) + " of " + row_name;
+    const std::string where = " in column " + excerpt(header.column_name(j)) + " of " + row_name;
     if (!cell) {
       fail_line(line_no, "unknown link class " + quote_excerpt(token) + where + " (expected " +
                              std::string(kExpectedClasses) + ")");

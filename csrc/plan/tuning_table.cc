@@ -1,6 +1,8 @@
 #include "plan/tuning_table.h"
 
 #include <charconv>
+#include <iterator>
+#include <limits>
 #include <string>
 
 #include "plan/hash.h"
@@ -44,7 +46,13 @@ islands-2x2,4,*,131072,*,island_twoshot,push,1,32,512
 
 constexpr std::string_view kHeader =
     "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads";
+constexpr std::string_view kHeaderColumns[] = {"topology",  "world",     "dtype",     "min_bytes",
+                                               "max_bytes", "algorithm", "direction", "staged",
+                                               "blocks",    "threads"};
 constexpr size_t kProtocolColumn = 10;
+constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // world, blocks, threads are int
+constexpr int64_t kBytesMax = std::numeric_limits<int64_t>::max();
 
 std::vector<std::string_view> split(std::string_view line) {
   std::vector<std::string_view> cells;
@@ -58,6 +66,51 @@ std::vector<std::string_view> split(std::string_view line) {
   return cells;
 }
 
+// Length of the well-formed UTF-8 sequence starting at s[i], or 0: overlong forms, surrogates,
+// code points past U+10FFFF and truncated sequences are not text.
+size_t utf8_length(std::string_view s, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char lead = byte(i);
+  if (lead < 0x80) return 1;
+  size_t n = 0;
+  unsigned char lo = 0x80;  // range of the second byte; later bytes are always 0x80..0xBF
+  unsigned char hi = 0xBF;
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    n = 2;
+  } else if (lead >= 0xE0 && lead <= 0xEF) {
+    n = 3;
+    if (lead == 0xE0) lo = 0xA0;
+    if (lead == 0xED) hi = 0x9F;
+  } else if (lead >= 0xF0 && lead <= 0xF4) {
+    n = 4;
+    if (lead == 0xF0) lo = 0x90;
+    if (lead == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (n > s.size() - i || byte(i + 1) < lo || byte(i + 1) > hi) return 0;
+  for (size_t k = 2; k < n; ++k) {
+    if (byte(i + k) < 0x80 || byte(i + k) > 0xBF) return 0;
+  }
+  return n;
+}
+
+std::string hex_byte(unsigned char c) {
+  constexpr char kDigits[] = "0123456789abcdef";
+  return std::string("0x") + kDigits[c >> 4] + kDigits[c & 0xF];
+}
+
+// A cell as quoted in an error: at most 40 bytes, cut on a character boundary, so a message
+// about a huge or multi-byte cell stays short and valid UTF-8 (Python decodes it).
+std::string quoted(std::string_view cell) {
+  constexpr size_t kMax = 40;
+  if (cell.size() <= kMax) return "'" + std::string(cell) + "'";
+  size_t cut = kMax;
+  while (cut > 0 && (static_cast<unsigned char>(cell[cut]) & 0xC0) == 0x80) --cut;
+  return "'" + std::string(cell.substr(0, cut)) + "...' (" + std::to_string(cell.size()) +
+         " bytes)";
+}
+
 class RowParser {
  public:
   RowParser(std::string_view source, int line) : source_(source), line_(line) {}
@@ -66,14 +119,46 @@ class RowParser {
     throw TableError(std::string(source_) + " line " + std::to_string(line_) + ": " + what);
   }
 
-  int64_t integer(std::string_view cell, std::string_view column, int64_t min) const {
-    int64_t value = 0;
-    const auto [end, ec] = std::from_chars(cell.data(), cell.data() + cell.size(), value);
-    if (ec != std::errc() || end != cell.data() + cell.size() || value < min) {
-      fail("column " + std::string(column) + " must be an integer >= " + std::to_string(min) +
-           " or '*', got '" + std::string(cell) + "'");
+  // Rejects a line that is not text: bytes that are not UTF-8 and every control byte but tab
+  // and a CR that ends the line (CRLF files); also a byte-order mark (parse() skips the one
+  // that may start the text). Error messages quote cells, so a table that
+  // parses this far yields messages that are clean text. A binary file fails on its first line.
+  void check_text(std::string_view line) const {
+    for (size_t i = 0; i < line.size();) {
+      const auto c = static_cast<unsigned char>(line[i]);
+      if (c >= 0x80) {
+        const size_t n = utf8_length(line, i);
+        if (n == 0) fail_binary("byte " + hex_byte(c) + " that is not UTF-8", i);
+        if (line.substr(i, kUtf8Bom.size()) == kUtf8Bom) {
+          // Invisible inside a cell: "\uFEFFislands-2x4" would never match its topology.
+          fail("byte-order mark (U+FEFF, invisible) at byte " + std::to_string(i + 1) +
+               " of the line; only the start of the file may hold one");
+        }
+        i += n;
+        continue;
+      }
+      const bool allowed = c == '\t' || (c == '\r' && i + 1 == line.size());
+      if ((c < 0x20 && !allowed) || c == 0x7F) fail_binary("control byte " + hex_byte(c), i);
+      ++i;
     }
-    return value;
+  }
+
+  // A whole cell holding a decimal integer in [min, max]; anything else (empty, a sign or
+  // junk around the digits, a value past the range or past int64) fails naming the column,
+  // the value and the range.
+  int64_t integer(std::string_view cell, std::string_view column, int64_t min, int64_t max,
+                  bool wildcard) const {
+    int64_t value = 0;
+    const char* const last = cell.data() + cell.size();
+    const auto [end, ec] = std::from_chars(cell.data(), last, value);
+    const bool whole = end == last && !cell.empty();
+    if (ec == std::errc() && whole && value >= min && value <= max) return value;
+    const bool out_of_range = whole && (ec == std::errc() || ec == std::errc::result_out_of_range);
+    const char* why = cell.empty()   ? " (the field is empty)"
+                      : out_of_range ? " (out of range)"
+                                     : " (not a decimal integer)";
+    fail("column " + std::string(column) + " must be an integer in " + std::to_string(min) + ".." +
+         std::to_string(max) + (wildcard ? " or '*'" : "") + ", got " + quoted(cell) + why);
   }
 
   // One rule from its cells (at least the first six; a tactic needs all ten).
@@ -83,15 +168,14 @@ class RowParser {
     row.line = line_;
     row.topology = std::string(cells[0]);
     if (row.topology.empty()) fail("column topology is empty (use '*' for any)");
-    row.world = cells[1] == "*" ? -1 : static_cast<int>(integer(cells[1], "world", 1));
+    row.world =
+        cells[1] == "*" ? -1 : static_cast<int>(integer(cells[1], "world", 1, kIntMax, true));
     if (cells[2] != "*") {
       row.dtype = parse_dtype(cells[2]);
-      if (!row.dtype) {
-        fail("column dtype must be bf16, fp16, fp32 or '*', got '" + std::string(cells[2]) + "'");
-      }
+      if (!row.dtype) fail("column dtype must be bf16, fp16, fp32 or '*', got " + quoted(cells[2]));
     }
-    row.min_bytes = integer(cells[3], "min_bytes", 0);
-    row.max_bytes = cells[4] == "*" ? -1 : integer(cells[4], "max_bytes", 1);
+    row.min_bytes = integer(cells[3], "min_bytes", 0, kBytesMax, false);
+    row.max_bytes = cells[4] == "*" ? -1 : integer(cells[4], "max_bytes", 1, kBytesMax, true);
     if (row.max_bytes >= 0 && row.max_bytes <= row.min_bytes) {
       fail("max_bytes (" + std::to_string(row.max_bytes) + ") must exceed min_bytes (" +
            std::to_string(row.min_bytes) + ")");
@@ -103,9 +187,21 @@ class RowParser {
     return row;
   }
 
+  // The header names the first ten columns in order; more (protocol, measured times) may follow.
+  void header(const std::vector<std::string_view>& cells) const {
+    bool ok = cells.size() >= std::size(kHeaderColumns);
+    for (size_t i = 0; ok && i < std::size(kHeaderColumns); ++i) ok = cells[i] == kHeaderColumns[i];
+    if (!ok) fail("header must start with '" + std::string(kHeader) + "'");
+  }
+
  private:
   [[noreturn]] void fail_columns(size_t found) const {
     fail("expected 10 columns (" + std::string(kHeader) + "), found " + std::to_string(found));
+  }
+
+  [[noreturn]] void fail_binary(const std::string& what, size_t offset) const {
+    fail("not a text tuning table: " + what + " at byte " + std::to_string(offset + 1) +
+         " of the line; expected UTF-8 CSV text without control characters (tab aside)");
   }
 
   void read_tactic(const std::vector<std::string_view>& cells, TableRow& row) const {
@@ -113,21 +209,19 @@ class RowParser {
     row.algorithm = parse_algorithm(cells[5]);  // unknown: kept, skipped when matched
     if (row.algorithm) row.tactic.algorithm = *row.algorithm;
     const auto direction = parse_direction(cells[6]);
-    if (!direction) {
-      fail("column direction must be push or pull, got '" + std::string(cells[6]) + "'");
-    }
+    if (!direction) fail("column direction must be push or pull, got " + quoted(cells[6]));
     row.tactic.direction = *direction;
     if (cells[7] != "0" && cells[7] != "1") {
-      fail("column staged must be 0 or 1, got '" + std::string(cells[7]) + "'");
+      fail("column staged must be 0 or 1, got " + quoted(cells[7]));
     }
     row.tactic.staged = cells[7] == "1";
-    row.tactic.blocks = static_cast<int>(integer(cells[8], "blocks", 1));
-    row.tactic.threads = static_cast<int>(integer(cells[9], "threads", 1));
+    row.tactic.blocks = static_cast<int>(integer(cells[8], "blocks", 1, kIntMax, false));
+    row.tactic.threads = static_cast<int>(integer(cells[9], "threads", 1, kIntMax, false));
     if (cells.size() > kProtocolColumn && !cells[kProtocolColumn].empty()) {
       const auto protocol = parse_protocol(cells[kProtocolColumn]);
       if (!protocol) {
-        fail("column protocol must be flag or ll (or empty for flag), got '" +
-             std::string(cells[kProtocolColumn]) + "'");
+        fail("column protocol must be flag or ll (or empty for flag), got " +
+             quoted(cells[kProtocolColumn]));
       }
       row.tactic.protocol = *protocol;
     }
@@ -150,26 +244,35 @@ bool TableRow::matches(std::string_view topology_key, int w, DType d, int64_t by
 TuningTable TuningTable::parse(std::string_view text, std::string_view source) {
   TuningTable table;
   table.source_ = std::string(source);
+  if (text.substr(0, kUtf8Bom.size()) == kUtf8Bom) text.remove_prefix(kUtf8Bom.size());
   int line_no = 0;
   size_t pos = 0;
   while (pos <= text.size()) {
     const size_t eol = text.find('\n', pos);
     std::string_view line = text.substr(pos, eol == std::string_view::npos ? eol : eol - pos);
     pos = eol == std::string_view::npos ? text.size() + 1 : eol + 1;
+    if (line_no == std::numeric_limits<int>::max()) {
+      RowParser(source, line_no).fail("too many lines for a tuning table");
+    }
     ++line_no;
+    const RowParser p(source, line_no);
+    p.check_text(line);
     if (const size_t hash = line.find('#'); hash != std::string_view::npos)
       line = line.substr(0, hash);
     line = trim(line);
     if (line.empty()) continue;
     const auto cells = split(line);
-    RowParser p(source, line_no);
     if (cells[0] == "topology") {
-      if (line != kHeader && line.substr(0, kHeader.size()) != kHeader) {
-        p.fail("header must start with '" + std::string(kHeader) + "'");
-      }
+      p.header(cells);
       continue;
     }
     table.rows_.push_back(p.row(cells));
+  }
+  if (table.rows_.empty()) {
+    throw TableError(std::string(source) +
+                     ": the table has no rows (the text is empty or holds only comments, blank "
+                     "lines and a header); write '*,*,*,0,*,fallback' to send every call to the "
+                     "fallback, or give no table to use the embedded seed");
   }
   return table;
 }

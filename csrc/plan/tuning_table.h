@@ -13,6 +13,17 @@
 // protocol (flag or ll), is optional: absent or empty means flag, so ten-column tables stay
 // valid. Columns after the eleventh (measured times written by the tuner) are kept but never
 // matched on.
+//
+// Integers are plain decimal digits checked against their range (world, blocks, threads:
+// 1..2^31-1; min_bytes: 0..2^63-1; max_bytes: 1..2^63-1); a value past the range is an error,
+// never a wrapped number. The text must be UTF-8 (a leading byte-order mark is skipped) with no
+// control characters but tab (CRLF line ends are fine): a binary file is rejected on its first
+// offending line as "not a text tuning table".
+//
+// No rows means a mistake, not "fall back for everything": parse() throws TableError when the
+// text is empty or holds only comments, blank lines and a header. A table that wants every call
+// to fall back says so with one row, "*,*,*,0,*,fallback". "No table given" is not parse()'s
+// business: callers that hold no table text (an empty Options::table_text) use embedded().
 #pragma once
 
 #include <cstdint>
@@ -63,7 +74,8 @@ struct TableChoice {
 class TuningTable {
  public:
   // Throws TableError naming `source` and the line: "table.csv line 4: expected 10 columns
-  // (topology,world,...), found 7".
+  // (topology,world,...), found 7", "table.csv line 2: column blocks must be an integer in
+  // 1..2147483647, got '2147483648' (out of range)"; or "table.csv: the table has no rows ...".
   static TuningTable parse(std::string_view text, std::string_view source = "table");
   // The seed table compiled into the library.
   static TuningTable embedded();

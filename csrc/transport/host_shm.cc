@@ -4,8 +4,10 @@
 // flags.
 #include "transport/host_shm.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -61,6 +63,28 @@ inline void cpu_relax() {
 #endif
 }
 
+// Every segment name starts with this (tests/python/conftest.py scans /dev/shm for it), followed
+// by the creator's pid and a '.': "/pcie_ar.<pid>.<64-bit random hex>.r<rank>".
+constexpr char kSegmentPrefix[] = "pcie_ar.";
+// Where glibc's shm_open() keeps its names (Linux).
+constexpr char kShmDirectory[] = "/dev/shm";
+
+// The creator pid of a /dev/shm entry named "pcie_ar.<pid>.<anything>", or 0 when the name does
+// not have that form (no digits, leading zero, no '.' after them, a pid that cannot be one).
+pid_t creator_of(const char* entry) {
+  const size_t prefix = sizeof(kSegmentPrefix) - 1;
+  if (std::strncmp(entry, kSegmentPrefix, prefix) != 0) return 0;
+  const char* p = entry + prefix;
+  if (*p < '1' || *p > '9') return 0;  // also rules out pid 0 (kill(0, ...) is our own group)
+  long long pid = 0;
+  for (; *p >= '0' && *p <= '9'; ++p) {
+    pid = pid * 10 + (*p - '0');
+    if (pid > 0x7fffffff) return 0;
+  }
+  if (*p != '.' || p[1] == '\0') return 0;
+  return static_cast<pid_t>(pid);
+}
+
 std::string make_segment_name(int rank) {
   std::random_device device;
   const uint64_t random = (static_cast<uint64_t>(device()) << 32) ^ device();
@@ -73,9 +97,31 @@ std::string make_segment_name(int rank) {
 
 // ---------------------------------------------------------------- segment lifecycle
 
+int HostShmWorkspace::reclaim_orphaned_segments() noexcept {
+  DIR* dir = opendir(kShmDirectory);
+  if (dir == nullptr) return 0;  // not Linux, or no /dev/shm: nothing we can find
+  const uid_t me = geteuid();
+  int reclaimed = 0;
+  while (const dirent* entry = readdir(dir)) {
+    const pid_t creator = creator_of(entry->d_name);
+    if (creator <= 0) continue;
+    struct stat info {};
+    if (fstatat(dirfd(dir), entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (!S_ISREG(info.st_mode) || info.st_uid != me) continue;  // never another user's
+    // ESRCH only: EPERM means the pid is alive (another user's process, maybe a recycled pid).
+    // A zombie still counts as alive until it is reaped. A recycled pid keeps an orphan until
+    // that process ends too: leaking for a while is acceptable, unlinking a live segment is not.
+    if (kill(creator, 0) == 0 || errno != ESRCH) continue;
+    const std::string name = std::string("/") + entry->d_name;
+    if (shm_unlink(name.c_str()) == 0) ++reclaimed;
+  }
+  closedir(dir);
+  return reclaimed;
+}
+
 HostShmWorkspace::HostShmWorkspace(const plan::Layout& layout, int rank, uint32_t initial_gen,
                                    double timeout_s)
-    : Workspace(layout, rank), timeout_s_(timeout_s) {
+    : Workspace(layout, rank), timeout_s_(timeout_s), creator_pid_(getpid()) {
   plan::check_layout(layout);
   if (rank < 0 || rank >= layout.world) {
     throw std::invalid_argument("rank must be 0.." + std::to_string(layout.world - 1) + ", got " +
@@ -86,6 +132,7 @@ HostShmWorkspace::HostShmWorkspace(const plan::Layout& layout, int rank, uint32_
                                 std::to_string(timeout_s));
   }
   bases_.assign(layout.world, nullptr);
+  reclaim_orphaned_segments();
   create_segment(initial_gen);
 }
 
@@ -154,6 +201,7 @@ void HostShmWorkspace::create_segment(uint32_t initial_gen) {
     if (fd >= 0) close(fd);
     if (bases_[rank()] != nullptr) munmap(bases_[rank()], layout().total_bytes);
     shm_unlink(segment_name_.c_str());
+    linked_ = false;
     throw;
   }
 }
@@ -162,7 +210,8 @@ HostShmWorkspace::~HostShmWorkspace() { release(); }
 
 void HostShmWorkspace::retire_token() noexcept {
   if (!linked_) return;
-  shm_unlink(segment_name_.c_str());
+  // A forked child that inherited this object must not unlink its parent's segment.
+  if (getpid() == creator_pid_) shm_unlink(segment_name_.c_str());
   linked_ = false;
 }
 
@@ -170,57 +219,94 @@ void HostShmWorkspace::open_peers(const std::vector<std::string>& tokens) {
   if (peers_open_) {
     throw std::logic_error("rank " + std::to_string(rank()) + ": open_peers() was already called");
   }
-  if (static_cast<int>(tokens.size()) != layout().world) {
-    throw std::invalid_argument("open_peers needs one segment name per rank (" +
-                                std::to_string(layout().world) + "), got " +
-                                std::to_string(tokens.size()));
-  }
-  if (tokens[rank()] != segment_name_) {
-    throw std::invalid_argument("open_peers: tokens[" + std::to_string(rank()) + "] is '" +
-                                tokens[rank()] + "', expected this rank's own segment '" +
-                                segment_name_ + "'; were the names gathered in rank order?");
-  }
-  close_peers();  // a previous attempt may have failed half-way: start from a clean slate
-  for (int peer = 0; peer < layout().world; ++peer) {
-    if (peer == rank()) continue;
-    const std::string& peer_name = tokens[peer];
-    const std::string who = "rank " + std::to_string(rank()) + ": rank " + std::to_string(peer) +
-                            "'s segment '" + peer_name + "'";
-    const int fd = shm_open(peer_name.c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      const int err = errno;
-      throw std::runtime_error(who + " cannot be opened: " + errno_text(err) +
-                               " (was it unlinked before every rank had mapped it?)");
+  // This rank cannot reach the barrier after a failure here: unmap what was mapped and unlink our
+  // name now, so nothing is left in /dev/shm even if this object lives on (a Python exception
+  // keeps its frame alive), and a peer that has not opened us yet fails at once.
+  try {
+    if (static_cast<int>(tokens.size()) != layout().world) {
+      throw std::invalid_argument("open_peers needs one segment name per rank (" +
+                                  std::to_string(layout().world) + "), got " +
+                                  std::to_string(tokens.size()));
     }
-    struct stat info {};
-    if (fstat(fd, &info) != 0) {
+    if (tokens[rank()] != segment_name_) {
+      throw std::invalid_argument("open_peers: tokens[" + std::to_string(rank()) + "] is '" +
+                                  tokens[rank()] + "', expected this rank's own segment '" +
+                                  segment_name_ + "'; were the names gathered in rank order?");
+    }
+    close_peers();  // a previous attempt may have failed half-way: start from a clean slate
+    for (int peer = 0; peer < layout().world; ++peer) {
+      if (peer == rank()) continue;
+      const std::string& peer_name = tokens[peer];
+      const std::string who = "rank " + std::to_string(rank()) + ": rank " + std::to_string(peer) +
+                              "'s segment '" + peer_name + "'";
+      const int fd = shm_open(peer_name.c_str(), O_RDWR, 0);
+      if (fd < 0) {
+        const int err = errno;
+        throw std::runtime_error(who + " cannot be opened: " + errno_text(err) +
+                                 " (was it unlinked before every rank had mapped it?)");
+      }
+      struct stat info {};
+      if (fstat(fd, &info) != 0) {
+        const int err = errno;
+        close(fd);
+        throw std::runtime_error(who + " cannot be inspected: " + errno_text(err));
+      }
+      if (static_cast<uint64_t>(info.st_size) != layout().total_bytes) {
+        close(fd);
+        throw std::runtime_error(who + " holds " + std::to_string(info.st_size) +
+                                 " bytes, expected " + std::to_string(layout().total_bytes) +
+                                 " (layout.total_bytes): the ranks built different layouts");
+      }
+      void* base = mmap(nullptr, layout().total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       const int err = errno;
       close(fd);
-      throw std::runtime_error(who + " cannot be inspected: " + errno_text(err));
+      if (base == MAP_FAILED) {
+        throw std::runtime_error(who + " cannot be mapped: " + errno_text(err));
+      }
+      bases_[peer] = static_cast<uint8_t*>(base);
     }
-    if (static_cast<uint64_t>(info.st_size) != layout().total_bytes) {
-      close(fd);
-      throw std::runtime_error(who + " holds " + std::to_string(info.st_size) +
-                               " bytes, expected " + std::to_string(layout().total_bytes) +
-                               " (layout.total_bytes): the ranks built different layouts");
-    }
-    void* base = mmap(nullptr, layout().total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    const int err = errno;
-    close(fd);
-    if (base == MAP_FAILED) {
-      throw std::runtime_error(who + " cannot be mapped: " + errno_text(err));
-    }
-    bases_[peer] = static_cast<uint8_t*>(base);
+  } catch (...) {
+    close_peers();
+    retire_token();
+    throw;
   }
   peers_open_ = true;
 }
+
+void HostShmWorkspace::open_peers_in_process(const std::vector<HostShmWorkspace*>& peers) {
+  if (peers_open_) {
+    throw std::logic_error("rank " + std::to_string(rank()) + ": open_peers() was already called");
+  }
+  if (static_cast<int>(peers.size()) != layout().world || peers[rank()] != this) {
+    throw std::invalid_argument("open_peers_in_process needs one workspace per rank (" +
+                                std::to_string(layout().world) + ") with this one at [" +
+                                std::to_string(rank()) + "]");
+  }
+  for (int peer = 0; peer < layout().world; ++peer) {
+    const HostShmWorkspace* other = peers[peer];
+    if (other == nullptr || other->rank() != peer || !(other->layout() == layout()) ||
+        other->bases_[peer] == nullptr) {
+      throw std::invalid_argument("open_peers_in_process: entry " + std::to_string(peer) +
+                                  " is not rank " + std::to_string(peer) +
+                                  "'s live workspace of the same layout");
+    }
+  }
+  close_peers();
+  for (int peer = 0; peer < layout().world; ++peer) {
+    if (peer != rank()) bases_[peer] = peers[peer]->bases_[peer];
+  }
+  peers_borrowed_ = true;
+  peers_open_ = true;
+}
+
 void HostShmWorkspace::close_peers() {
   for (int peer = 0; peer < static_cast<int>(bases_.size()); ++peer) {
     if (peer != rank() && bases_[peer] != nullptr) {
-      munmap(bases_[peer], layout().total_bytes);
+      if (!peers_borrowed_) munmap(bases_[peer], layout().total_bytes);
       bases_[peer] = nullptr;
     }
   }
+  peers_borrowed_ = false;
   peers_open_ = false;
 }
 
@@ -256,10 +342,11 @@ struct WaitBudget {
             std::chrono::duration<double>(bounded ? timeout_s : 0.0))) {}
 };
 
-// Polls `load()` until `done(value)`: spins briefly, then yields (ranks may outnumber cores).
-// Returns the last value seen, which is not done only if the budget ran out.
-template <typename Load, typename Done>
-auto await_value(const Load& load, const Done& done, const WaitBudget& budget) {
+// Polls `load()` until `done(value)`: spins briefly, then yields (ranks may outnumber cores),
+// calling `idle()` once per yield (the test hook). Returns the last value seen, which is not
+// done only if the budget ran out.
+template <typename Load, typename Done, typename Idle>
+auto await_value(const Load& load, const Done& done, const WaitBudget& budget, const Idle& idle) {
   auto seen = load();
   for (int poll = 0; !done(seen) && poll < kSpinPolls; ++poll) {
     cpu_relax();
@@ -268,6 +355,7 @@ auto await_value(const Load& load, const Done& done, const WaitBudget& budget) {
   if (done(seen)) return seen;
   const auto deadline = std::chrono::steady_clock::now() + budget.timeout;
   for (int poll = 1; !done(seen); ++poll) {
+    idle();
     sched_yield();
     seen = load();
     if (budget.bounded && poll % kPollsPerClockCheck == 0 &&
@@ -282,16 +370,19 @@ auto await_value(const Load& load, const Done& done, const WaitBudget& budget) {
 // with the same named pieces. Block b owns slice b of every chunk and its own flags.
 class BlockPass {
  public:
+  using StepHook = HostShmWorkspace::StepHook;
+
   BlockPass(const std::vector<uint8_t*>& bases, const plan::Layout& layout,
             const plan::Program& program, const Call& call, int rank, int block,
-            const WaitBudget& budget)
+            const WaitBudget& budget, const StepHook* hook)
       : bases_(bases),
         layout_(layout),
         program_(program),
         call_(call),
         rank_(rank),
         block_(block),
-        budget_(budget) {
+        budget_(budget),
+        hook_(hook) {
     // The generation lives in the workspace and only this executor advances it.
     const uint64_t gen =
         std::atomic_ref<uint64_t>(counter(block)).load(std::memory_order_relaxed) + 1;
@@ -304,6 +395,9 @@ class BlockPass {
 
   void run_steps(ReduceFn reduce) const {
     for (int index = 0; index < program_.num_steps; ++index) {
+      if (hook_ != nullptr) [[unlikely]] {
+        (*hook_)(HostShmWorkspace::StepPoint{block_, index, false});
+      }
       const Step& step = program_.steps[index];
       switch (step.kind) {
         case StepKind::kReduce:
@@ -462,7 +556,7 @@ class BlockPass {
                                         const uint32_t tag = plan::ll_word_tag(w);
                                         return tag == expected || plan::ll_foreign(tag, expected);
                                       },
-                                      budget_);
+                                      budget_, [&] { idle(index); });
     const uint32_t tag = plan::ll_word_tag(seen);
     if (tag == expected) return seen;
     const auto kind = plan::ll_foreign(tag, expected) ? plan::FailureKind::kLLMismatch
@@ -485,7 +579,8 @@ class BlockPass {
     const uint64_t expected = at_.gen;
     plan::FlagSeen seen{
         await_value([&] { return gen.load(std::memory_order_acquire); },
-                    [expected](uint64_t g) { return plan::gen_reached(g, expected); }, budget_)};
+                    [expected](uint64_t g) { return plan::gen_reached(g, expected); }, budget_,
+                    [&] { idle(index); })};
     if (!plan::gen_reached(seen.gen, at_.gen)) {
       fail(plan::make_diagnostic(plan::FailureKind::kTimeout, at_, index, step, seen));
     }
@@ -494,6 +589,13 @@ class BlockPass {
     seen.signature = std::atomic_ref<uint32_t>(flag->signature).load(std::memory_order_relaxed);
     if (plan::is_mismatch(at_, seen)) {
       fail(plan::make_diagnostic(plan::FailureKind::kMismatch, at_, index, step, seen));
+    }
+  }
+
+  // A wait of step `index` yields: the test hook, if any, may act.
+  void idle(int index) const {
+    if (hook_ != nullptr) [[unlikely]] {
+      (*hook_)(HostShmWorkspace::StepPoint{block_, index, true});
     }
   }
 
@@ -508,6 +610,7 @@ class BlockPass {
   int rank_;
   int block_;
   const WaitBudget& budget_;
+  const StepHook* hook_;  // nullptr unless a test installed one
   plan::CallPosition at_{};
   int parity_ = 0;
   uint32_t tag_ = 0;  // every LL word of this call carries it
@@ -526,9 +629,11 @@ void HostShmWorkspace::run(const Call& call) {
   }
   const ReduceFn reduce = reducer_for(call.dtype);
   const WaitBudget budget(timeout_s_);
+  const StepHook* hook = step_hook_ ? &step_hook_ : nullptr;
   try {
     for (int block = 0; block < call.blocks; ++block) {
-      const BlockPass pass(bases_, layout(), programs_[call.program], call, rank(), block, budget);
+      const BlockPass pass(bases_, layout(), programs_[call.program], call, rank(), block, budget,
+                           hook);
       pass.run_steps(reduce);
       pass.finish_call();
     }

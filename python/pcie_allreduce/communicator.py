@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import socket
 from pathlib import Path
@@ -30,10 +31,15 @@ DEFAULT_HIDDEN = 8192
 
 
 def _whole(name: str, value: Any) -> int:
-    """``value`` as an int when it is a whole number (bool and 1024.5 are not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ValueError(f"{name} must be a whole number, got {value!r}")
-    return int(value)
+    """``value`` as an int when it is a whole number: an int (or numpy integer), or a float
+    with no fraction; bool and 1024.5 are not."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+    raise ValueError(f"{name} must be a whole number, got {value!r}")
 
 
 def resolve_max_numel(
@@ -96,20 +102,25 @@ def _read_text(path: str, what: str) -> str:
 def _read_table(table: Optional[str]) -> tuple[str, str]:
     """(csv text, source name) from a table argument or PCIE_ALLREDUCE_TABLE; ('', 'embedded').
 
-    ``table`` is CSV text when it holds a newline or a comma, else a path to a CSV file."""
+    ``table`` is CSV text when it holds a newline or a comma, else a path to a CSV file. A
+    given table is parsed here, so its errors (no rows, a bad field) raise on this rank
+    before it exchanges anything."""
     if table is None:
         table = read_env().table
         if table is None:
             return "", "embedded seed table"
-        return _read_text(table, "PCIE_ALLREDUCE_TABLE"), table
-    if not isinstance(table, str) or table.strip() == "":
+        text, source = _read_text(table, "PCIE_ALLREDUCE_TABLE"), table
+    elif not isinstance(table, str) or table.strip() == "":
         raise ValueError(
             f"table must be CSV text or a path to a CSV file, got {table!r} (pass None for "
             "PCIE_ALLREDUCE_TABLE or the embedded seed table)"
         )
-    if "\n" not in table and "," not in table:
-        return _read_text(table, "table file"), str(table)
-    return table, "table argument"
+    elif "\n" not in table and "," not in table:
+        text, source = _read_text(table, "table file"), str(table)
+    else:
+        text, source = table, "table argument"
+    _C.TuningTable.parse(text, source)
+    return text, source
 
 
 def host_identity() -> str:

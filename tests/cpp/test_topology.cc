@@ -346,6 +346,29 @@ TEST(TopologyParseError, MissingOrMisorderedRowsNameTheLine) {
             "header names 4 GPUs)");
 }
 
+// Found by fuzz_nvidia_smi_topo: messages quoted raw bytes of binary input, which Python cannot
+// decode (strict UTF-8) and a terminal garbles. Bytes outside printable ASCII and tab are \xNN.
+TEST(TopologyParseError, BinaryBytesAreQuotedAsEscapes) {
+  std::string escaped;
+  for (int i = 0; i < 48; ++i) escaped += "\\xce";
+  EXPECT_EQ(
+      parse_error("\tGPU0\tGPU1\n" + std::string(88, '\xce') + "GPU0\t X \tSYS\n1\tPUGPIX\t X \n"),
+      "nvidia-smi topo line 2: expected a row for GPU0 or for a device named in the header, "
+      "found '" +
+          escaped + "...'");
+  EXPECT_EQ(parse_error("\tGPU0\tGPU1\tNI\x01"
+                        "C\nGPU0\t X \tSYS\tFOO\n"),
+            "nvidia-smi topo line 2: unknown link class 'FOO' in column NI\\x01C of GPU0 (expected "
+            "X, NV#, PIX, PXB, PHB, NODE, SYS or SOC)");
+  EXPECT_EQ(parse_error("\tGPU0\tGPU1\nGPU0\t X \t\xff\xfe\x7f\n"),
+            "nvidia-smi topo line 2: unknown link class '\\xff\\xfe\\x7f' in column GPU1 of GPU0 "
+            "(expected X, NV#, PIX, PXB, PHB, NODE, SYS or SOC)");
+  using namespace std::string_literals;
+  EXPECT_EQ(parse_error("GPU0\0\tGPU1\n"s),
+            "nvidia-smi topo line 1: expected the header row of `nvidia-smi topo -m` (GPU0 GPU1 "
+            "... CPU Affinity), found 'GPU0\\x00\tGPU1'");
+}
+
 TEST(TopologyParseError, EmptyTextSaysWhatWasExpected) {
   EXPECT_EQ(parse_error(""),
             "nvidia-smi topo: the text is empty; expected the output of `nvidia-smi topo -m`");

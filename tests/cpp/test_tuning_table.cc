@@ -2,7 +2,9 @@
 // cannot run are skipped with a reason, and malformed text is rejected naming the line.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "plan/schedule.h"
 #include "plan/tuning_table.h"
@@ -136,6 +138,172 @@ TEST(TuningTable, RejectsMalformedRowsNamingTheLine) {
             std::string::npos);
   EXPECT_NE(parse_error("*,2,*,0,*,oneshot,push,1,0,64\n").find("blocks"), std::string::npos);
   EXPECT_NE(parse_error("topology,world\n").find("header"), std::string::npos);
+}
+
+// A row whose only interesting cell is `cell` in column `column` (0-based), on line 2.
+std::string row_with(size_t column, std::string_view cell) {
+  std::vector<std::string> cells = {"*", "2", "*", "0", "*", "oneshot", "push", "0", "8", "256"};
+  cells[column] = std::string(cell);
+  std::string text = "# integer checks\n";
+  for (size_t i = 0; i < cells.size(); ++i) text += (i ? "," : "") + cells[i];
+  return text + "\n";
+}
+
+TEST(TuningTable, RejectsIntegersPastTheirTypeInsteadOfWrappingThem) {
+  // Both used to parse: blocks wrapped to -2147483648 (every call then raised), world to 2.
+  EXPECT_EQ(parse_error("*,*,*,0,*,oneshot,push,0,2147483648,256\n"),
+            "my.csv line 1: column blocks must be an integer in 1..2147483647, got '2147483648' "
+            "(out of range)");
+  EXPECT_EQ(parse_error("*,4294967298,*,0,*,fallback,,,,\n"),
+            "my.csv line 1: column world must be an integer in 1..2147483647 or '*', got "
+            "'4294967298' (out of range)");
+  EXPECT_EQ(parse_error(row_with(9, "4294967552")),
+            "my.csv line 2: column threads must be an integer in 1..2147483647, got '4294967552' "
+            "(out of range)");
+}
+
+TEST(TuningTable, ByteBoundsSpanInt64AndNoFurther) {
+  const TuningTable t = TuningTable::parse(row_with(4, "9223372036854775807"));
+  EXPECT_EQ(t.rows()[0].max_bytes, INT64_MAX);
+  EXPECT_FALSE(pick(t, "flat", 2, DType::kBF16, INT64_MAX - 1).fallback);
+  EXPECT_EQ(parse_error(row_with(4, "9223372036854775808")),  // 2^63
+            "my.csv line 2: column max_bytes must be an integer in 1..9223372036854775807 or '*', "
+            "got '9223372036854775808' (out of range)");
+  EXPECT_EQ(parse_error(row_with(3, "18446744073709551616")),  // 2^64, used to be rejected only
+            "my.csv line 2: column min_bytes must be an integer in 0..9223372036854775807, got "
+            "'18446744073709551616' (out of range)");
+  EXPECT_NE(parse_error(row_with(3, "18446744073709551615")).find("(out of range)"),
+            std::string::npos);
+  // min_bytes may sit at the top: with max_bytes '*' the row matches exactly INT64_MAX bytes.
+  const TuningTable top = TuningTable::parse(row_with(3, "9223372036854775807"));
+  EXPECT_EQ(top.rows()[0].min_bytes, INT64_MAX);
+  EXPECT_TRUE(pick(top, "flat", 2, DType::kBF16, INT64_MAX - 1).fallback);
+  EXPECT_FALSE(pick(top, "flat", 2, DType::kBF16, INT64_MAX).fallback);
+}
+
+TEST(TuningTable, RejectsNegativeJunkAndEmptyIntegersNamingColumnValueAndRange) {
+  EXPECT_EQ(parse_error(row_with(3, "-1")),
+            "my.csv line 2: column min_bytes must be an integer in 0..9223372036854775807, got "
+            "'-1' (out of range)");
+  EXPECT_EQ(parse_error(row_with(1, "-1")),
+            "my.csv line 2: column world must be an integer in 1..2147483647 or '*', got '-1' "
+            "(out of range)");
+  EXPECT_EQ(parse_error(row_with(8, "9x")),
+            "my.csv line 2: column blocks must be an integer in 1..2147483647, got '9x' (not a "
+            "decimal integer)");
+  EXPECT_EQ(parse_error(row_with(1, "")),
+            "my.csv line 2: column world must be an integer in 1..2147483647 or '*', got '' (the "
+            "field is empty)");
+  EXPECT_EQ(parse_error(row_with(9, "")),
+            "my.csv line 2: column threads must be an integer in 1..2147483647, got '' (the field "
+            "is empty)");
+  for (const std::string_view junk :
+       {"+8", "0x10", "8.0", "1 6", "1e3", "*", "-", "99999999999999999999x"}) {
+    EXPECT_NE(parse_error(row_with(8, junk)).find("(not a decimal integer)"), std::string::npos)
+        << junk;
+  }
+  EXPECT_NE(parse_error(row_with(3, "*")).find("column min_bytes must be an integer in 0.."),
+            std::string::npos);
+}
+
+TEST(TuningTable, AcceptsEveryIntegerAtTheTopOfItsRange) {
+  const TuningTable t = TuningTable::parse(
+      "*,2147483647,*,0,9223372036854775807,twoshot,pull,1,2147483647,2147483647\n");
+  const TableRow& row = t.rows()[0];
+  EXPECT_EQ(row.world, 2147483647);
+  EXPECT_EQ(row.tactic.blocks, 2147483647);
+  EXPECT_EQ(row.tactic.threads, 2147483647);
+  EXPECT_EQ(TuningTable::parse(t.canonical_text()).hash(), t.hash());
+}
+
+TEST(TuningTable, QuotesAHugeCellShortAndOnACharacterBoundary) {
+  // 39 digits, then 'é' (two bytes) across the 40-byte cut: the excerpt stops before it.
+  EXPECT_EQ(parse_error(row_with(8, std::string(39, '1') + "\xc3\xa9" + "2")),
+            "my.csv line 2: column blocks must be an integer in 1..2147483647, got '" +
+                std::string(39, '1') + "...' (42 bytes) (not a decimal integer)");
+}
+
+TEST(TuningTable, BinaryTextIsNotATuningTable) {
+  using namespace std::string_literals;
+  EXPECT_EQ(parse_error("*,*,*,0,*,fallback\nab\0cd\n"s),
+            "my.csv line 2: not a text tuning table: control byte 0x00 at byte 3 of the line; "
+            "expected UTF-8 CSV text without control characters (tab aside)");
+  EXPECT_EQ(parse_error("# caf\xe9 (latin-1)\n*,*,*,0,*,fallback\n"),
+            "my.csv line 1: not a text tuning table: byte 0xe9 that is not UTF-8 at byte 6 of the "
+            "line; expected UTF-8 CSV text without control characters (tab aside)");
+  EXPECT_NE(parse_error("\x7f"
+                        "ELF\x02\x01\x01")
+                .find("line 1: not a text tuning table: control "
+                      "byte 0x7f at byte 1"),
+            std::string::npos);
+  EXPECT_NE(parse_error("*,*,*,0,*,fallback\x1b[0m\n").find("control byte 0x1b"),
+            std::string::npos);
+  EXPECT_NE(parse_error("*,*,*,0,*,fallback\rnext\n").find("control byte 0x0d at byte 19"),
+            std::string::npos);
+  // Found by fuzz_tuning_table: a form feed inside a cell was quoted raw in the error.
+  EXPECT_EQ(parse_error("# x\n *, 2\f*,0,*,oneshot,push,16,5.1,7.9\n"),
+            "my.csv line 2: not a text tuning table: control byte 0x0c at byte 6 of the line; "
+            "expected UTF-8 CSV text without control characters (tab aside)");
+  EXPECT_NE(parse_error("*,*,*,0,*,fallback\v\n").find("control byte 0x0b"), std::string::npos);
+  // Overlong, surrogate, past U+10FFFF, truncated: not UTF-8.
+  for (const std::string_view bad : {"\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe2\x82"}) {
+    EXPECT_NE(parse_error("# " + std::string(bad) + "\n*,*,*,0,*,fallback\n").find("not UTF-8"),
+              std::string::npos);
+  }
+}
+
+TEST(TuningTable, TextWithUtf8CrlfTabsOrAByteOrderMarkParses) {
+  const TuningTable t = TuningTable::parse(
+      "\xef\xbb\xbftopology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
+      "threads\r\n# measured \xc3\x97 2 \xe2\x80\x94 \xf0\x9f\x9a\x80\r\n*,\t2,*,0,*,oneshot,push,"
+      "0,16,128\r\n");
+  ASSERT_EQ(t.rows().size(), 1u);
+  EXPECT_EQ(t.rows()[0].line, 3);
+  EXPECT_EQ(t.hash(), TuningTable::parse("*,2,*,0,*,oneshot,push,0,16,128\n").hash());
+}
+
+// Found by fuzz_tuning_table: a byte-order mark that does not start the text stayed in the
+// topology cell, invisibly; the canonical text then began with it, and parsing that skipped it
+// as a file's mark, so the round trip changed the rule. Only the first bytes may hold one.
+TEST(TuningTable, AByteOrderMarkAnywhereButTheStartIsRejected) {
+  EXPECT_EQ(parse_error("\t\t\t\xef\xbb\xbf"
+                        "24,48647,fp32,0,*,oneshot,pull,1,2146,21\n"),
+            "my.csv line 1: byte-order mark (U+FEFF, invisible) at byte 4 of the line; only the "
+            "start of the file may hold one");
+  EXPECT_NE(
+      parse_error("\xef\xbb\xbf\xef\xbb\xbf*,*,*,0,*,fallback\n").find("line 1: byte-order mark"),
+      std::string::npos);
+  EXPECT_NE(parse_error("*,*,*,0,*,fallback\n*,*,*,0,*,fallback # \xef\xbb\xbf\n")
+                .find("line 2: byte-order mark (U+FEFF, invisible) at byte 22"),
+            std::string::npos);
+}
+
+TEST(TuningTable, AGivenTableWithoutRowsIsAnErrorNotASilentFallback) {
+  const std::string no_rows =
+      "my.csv: the table has no rows (the text is empty or holds only comments, blank lines and "
+      "a header); write '*,*,*,0,*,fallback' to send every call to the fallback, or give no table "
+      "to use the embedded seed";
+  EXPECT_EQ(parse_error(""), no_rows);
+  EXPECT_EQ(parse_error("\n \r\n\t\n"), no_rows);
+  EXPECT_EQ(parse_error("# only a comment\n# and another\n"), no_rows);
+  EXPECT_EQ(parse_error("topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,"
+                        "blocks,threads,protocol\n"),
+            no_rows);
+  // The explicit way to fall back for everything.
+  EXPECT_TRUE(
+      pick(TuningTable::parse("*,*,*,0,*,fallback\n"), "flat", 8, DType::kBF16, 0).fallback);
+}
+
+TEST(TuningTable, HeaderIsCheckedCellByCell) {
+  EXPECT_EQ(TuningTable::parse(" topology , world,dtype,min_bytes,max_bytes,algorithm,direction,"
+                               "staged,blocks,threads,protocol,t_us\n*,*,*,0,*,fallback\n")
+                .rows()
+                .size(),
+            1u);
+  EXPECT_NE(parse_error("topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,"
+                        "blocks,threadsXYZ\n*,*,*,0,*,fallback\n")
+                .find("line 1: header must start with"),
+            std::string::npos);
 }
 
 TEST(TuningTable, EmbeddedSeedParsesAndSendsNvlinkToTheFallback) {

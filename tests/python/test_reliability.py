@@ -202,6 +202,10 @@ def _bad_arguments(rank, world, table_dir):
 
     binary = Path(table_dir) / "binary.csv"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    empty = Path(table_dir) / "empty.csv"
+    empty.write_text("")
+    comments = Path(table_dir) / "comments.csv"
+    comments.write_text("# measured nothing yet\n\n")
     cases = {
         "timeout_nan": dict(timeout_s=math.nan),
         "timeout_inf": dict(timeout_s=math.inf),
@@ -213,6 +217,10 @@ def _bad_arguments(rank, world, table_dir):
         "table_missing": dict(table="/nonexistent/table.csv"),
         "table_directory": dict(table=table_dir),
         "table_binary": dict(table=str(binary)),
+        "table_empty_file": dict(table=str(empty)),
+        "table_comments_only": dict(table=str(comments)),
+        "table_blocks_overflow": dict(table="*,*,*,0,*,oneshot,push,1,2147483648,512"),
+        "table_world_overflow": dict(table="*,4294967298,*,0,*,oneshot,push,1,1,512"),
     }
     errors = {}
     for name, kwargs in cases.items():
@@ -239,6 +247,11 @@ def test_bad_constructor_arguments_say_what_was_wrong_and_what_was_expected(tmp_
         "table_missing": "does not exist; expected a tuning-table CSV file",
         "table_directory": "is a directory",
         "table_binary": "is not a text tuning table",
+        "table_empty_file": "the table has no rows",
+        "table_comments_only": "the table has no rows",
+        "table_blocks_overflow": "column blocks must be an integer in 1..2147483647, got "
+        "'2147483648' (out of range)",
+        "table_world_overflow": "column world must be an integer in",
     }
     for name, fragment in expected.items():
         assert errors[name] is not None and fragment in errors[name], (name, errors[name])
