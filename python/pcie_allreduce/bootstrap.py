@@ -136,25 +136,30 @@ class Bootstrap:
         self, peers: List[int], run: Callable[[int], None], deadline: Optional[float], step: str
     ) -> None:
         done: Dict[int, Optional[BaseException]] = {}
+        changed = threading.Condition()
 
         def guarded(peer: int) -> None:
             try:
                 run(peer)
-                done[peer] = None
-            except BaseException as error:  # reported by the polling thread
-                done[peer] = error
+                outcome: Optional[BaseException] = None
+            except BaseException as error:  # reported by the waiting thread
+                outcome = error
+            with changed:
+                done[peer] = outcome
+                changed.notify()
 
         for p in peers:
             threading.Thread(target=guarded, args=(p,), daemon=True,
                              name=f"pcie_allreduce-peer-{p}").start()
-        pause = 2e-5
-        while len(done) < len(peers):
-            self._raise_failed(done, step)
-            if deadline is not None and time.monotonic() > deadline:
-                late = sorted(set(peers) - set(done))
-                raise self._error(late, step, f"it did not arrive within {self.timeout_s:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        with changed:
+            while len(done) < len(peers):
+                self._raise_failed(done, step)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    late = sorted(set(peers) - set(done))
+                    raise self._error(late, step,
+                                      f"it did not arrive within {self.timeout_s:g} s")
+                changed.wait(left)
         self._raise_failed(done, step)
 
     def _raise_failed(self, done: Dict[int, Optional[BaseException]], step: str) -> None:
