@@ -150,7 +150,8 @@ class PcieAllReduce:
         device: ``cpu`` (host shared-memory transport) or a CUDA device.
         max_numel: workspace capacity in elements; fixed for the communicator's life.
         table: tuning table as CSV text or a path; default PCIE_ALLREDUCE_TABLE or the seed.
-        cpu_group: a gloo group over the same ranks for bootstrapping (made if needed).
+        cpu_group: a gloo group over the same ranks for bootstrapping (made if needed; making
+            one is an unbounded torch collective, so engines pass the one they have).
         islands: ranks grouped by socket, overriding the probe (CPU tensors: NUMA nodes).
     """
 
@@ -182,10 +183,11 @@ class PcieAllReduce:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_numel = resolve_max_numel(max_numel, hidden, max_rows)
         self.timeout_s = resolve_timeout(timeout_s, env.timeout_s)
+        opts = self._options(env, table, dtypes, initial_generation)
+        # Everything above is checked on this rank alone. Making a gloo group (when none is
+        # given) is torch's collective and unbounded; every exchange after it is bounded.
         self._cpu_group = _cpu_group_for(self.group, cpu_group)
         self._boot = Bootstrap(self._cpu_group, self.timeout_s)
-
-        opts = self._options(env, table, dtypes, initial_generation)
         off = ("none", "")
         if not enabled:
             off = ("disabled", "constructed with enabled=False")
