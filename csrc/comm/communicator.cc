@@ -379,6 +379,15 @@ void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
   reduce_into(inp, out);
 }
 
+void Communicator::set_table(const std::string& text, const std::string& source) {
+  const CallGuard guard(busy_);
+  plan::TuningTable table = plan::TuningTable::parse(text, source);
+  table_ = std::move(table);
+  options_.table_text = text;
+  options_.table_source = source;
+  decisions_.clear();
+}
+
 at::Tensor Communicator::all_reduce(const at::Tensor& inp) {
   const CallGuard guard(busy_);
   raise_if_failed();

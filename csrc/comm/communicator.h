@@ -138,6 +138,12 @@ class Communicator {
   const Options& options() const { return options_; }
   bool enabled() const { return options_.disabled == Decline::kNone; }
   uint64_t table_hash() const { return table_.hash(); }
+  const std::string& table_source() const { return table_.source(); }
+  // Replaces the tuning table (the tuner, and a cache adopted after construction). Collective
+  // in effect: every rank must install the same table between the same two calls, or their
+  // paths part (the caller compares hashes). Throws TableError, keeping the old table, when the
+  // text does not parse; clears every cached decision, so the next call asks the new table.
+  void set_table(const std::string& text, const std::string& source);
   uint64_t layout_hash() const;
   int64_t workspace_bytes() const;
   // The failure that disabled this communicator, if any (timeouts, peer disagreement).

@@ -198,7 +198,8 @@ def _format_row(r: Dict[str, Any]) -> str:
     )
 
 
-def _transport_and_world(args: argparse.Namespace) -> Tuple[str, int, Optional[str]]:
+def _transport_and_world(args: argparse.Namespace, sizes: bool = True
+                         ) -> Tuple[str, int, Optional[str]]:
     """(transport, world, why not): why not is None when this machine can run the request."""
     transport = args.transport
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -217,9 +218,28 @@ def _transport_and_world(args: argparse.Namespace) -> Tuple[str, int, Optional[s
         world = 2 if args.world is None else args.world
     if not 2 <= world <= 8:
         return transport, world, f"--world must be in 2..8, got {world}"
+    if not sizes:
+        return transport, world, _tune_problem(args)
     if args.graph and transport != "cuda":
         return transport, world, "--graph needs --transport cuda"
     return transport, world, _arguments_problem(args)
+
+
+def _json_problem(args: argparse.Namespace) -> Optional[str]:
+    """--json must name a file in a writable folder: found before the run, not after it."""
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return f"--json {args.json!r}: folder {folder!r} does not exist or is not writable"
+    return None
+
+
+def _tune_problem(args: argparse.Namespace) -> Optional[str]:
+    if args.max_bytes < 16:
+        return f"--max-bytes must be at least 16, got {args.max_bytes}"
+    if not args.budget > 0:
+        return f"--budget must be a positive number of seconds, got {args.budget}"
+    return _json_problem(args)
 
 
 def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
@@ -234,11 +254,7 @@ def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
         )
     if args.table is not None and not os.path.isfile(args.table):
         return f"--table {args.table!r}: no such file (expected a tuning-table CSV file)"
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            return f"--json {args.json!r}: folder {folder!r} does not exist or is not writable"
-    return None
+    return _json_problem(args)
 
 
 def _print_header(transport: str, world: int, dtype_name: str) -> None:
@@ -256,19 +272,44 @@ def _print_header(transport: str, world: int, dtype_name: str) -> None:
     )
 
 
-def _run_ranks(world: int, opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Spawns the ranks; rank 0's rows and stats, or None (said on stderr) if any rank failed."""
+def _tune_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+    """One rank of `pcie-allreduce tune`: builds the communicator and tunes it."""
+    import logging
+
+    from .errors import TuneError, TuneRefused
+
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(message)s")
+    elem = DTYPES[opts["dtypes"][0]].itemsize
+    max_numel = max(8, opts["max_bytes"] // elem // 8 * 8)
+    r = _set_up(rank, world, port, opts, max_numel)
+    try:
+        report = r.ar.tune(dtypes=opts["dtypes"], max_bytes=opts["max_bytes"],
+                           budget_s=opts["budget_s"], force=opts["force"])
+    except (TuneRefused, TuneError) as error:
+        report = {"status": "refused" if isinstance(error, TuneRefused) else "failed",
+                  "error": str(error), "measured": 0, "path": None}
+    report["stats"] = r.ar.stats()
+    r.ar.destroy()
+    if rank == 0:
+        queue.put(report)
+    dist.destroy_process_group()
+
+
+def _run_ranks(world: int, opts: Dict[str, Any], target: Callable[..., None] = _worker
+               ) -> Optional[Dict[str, Any]]:
+    """Spawns the ranks; rank 0's result, or None (said on stderr) if any rank failed."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, opts, queue)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, opts, queue)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
-        print(f"pcie-allreduce bench: ranks {failed} failed", file=sys.stderr)
+        print(f"pcie-allreduce: ranks {failed} failed", file=sys.stderr)
         return None
     return queue.get()
 
@@ -302,4 +343,53 @@ def main(args: argparse.Namespace) -> int:
         print(f"# FAILED: {wrong} wrong elements", file=sys.stderr)
         return 1
     print("# all results verified against a float64 reference and identical on every rank")
+    return 0
+
+
+def _print_tune(report: Dict[str, Any]) -> None:
+    print(f"# {'dtype':>5} {'bytes':>9} {'bucket':>19}  {'incumbent':<36} {'us':>8}  "
+          f"{'chosen':<36} {'us':>8} {'fallback':>9} {'noise%':>6} {'rounds':>6}")
+    for c in report["choices"]:
+        hi = "*" if c["max_bytes"] < 0 else str(c["max_bytes"])
+        mark = "*" if c["changed"] else " "
+        print(f"  {c['dtype']:>5} {c['bytes']:>9} {c['min_bytes']:>9}..{hi:<8}  "
+              f"{c['incumbent']:<36} {c['incumbent_us']:>8.2f} {mark}{c['winner']:<35} "
+              f"{c['time_us']:>8.2f} {c['fallback_us']:>9.2f} {c['noise_pct']:>6.2f} "
+              f"{c['rounds']:>6}")
+
+
+def tune_main(args: argparse.Namespace) -> int:
+    """`pcie-allreduce tune`: measures this host once and writes its tuning cache."""
+    transport, world, why_not = _transport_and_world(args, sizes=False)
+    if why_not is not None:
+        print(f"pcie-allreduce tune: {why_not}", file=sys.stderr)
+        return 2
+    opts = {"transport": transport, "dtypes": args.dtype, "max_bytes": args.max_bytes,
+            "budget_s": args.budget, "force": args.force, "table": None}
+    print(f"# pcie-allreduce tune: transport={transport} world={world} "
+          f"dtypes={','.join(args.dtype)} max_bytes={args.max_bytes} host={platform.node()}",
+          flush=True)
+    report = _run_ranks(world, opts, _tune_worker)
+    if report is None:
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if report["status"] in ("refused", "failed"):
+        print(f"pcie-allreduce tune: {report['error']}", file=sys.stderr)
+        return 2 if report["status"] == "refused" else 1
+    if report["status"] == "cached":
+        print(f"# measured nothing: {report['path']} already holds this host's tuning "
+              "(pass --force to measure again)")
+        return 0
+    _print_tune(report)
+    print(f"# measured {report['measured']} (bucket, tactic) pairs in {report['seconds']:.1f} s; "
+          f"* = the incumbent was beaten by more than the noise")
+    if report["path"] is None:
+        print(f"# not written: {report['problem']}", file=sys.stderr)
+        return 1
+    print(f"# wrote {report['path']}")
+    for bad in report["excluded"]:
+        print(f"# excluded (wrong sum on ranks {bad['ranks']}): {bad['tactic']} at "
+              f"{bad['bytes']} B {bad['dtype']}", file=sys.stderr)
     return 0

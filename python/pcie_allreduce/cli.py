@@ -1,4 +1,4 @@
-"""`pcie-allreduce` (also `python -m pcie_allreduce`): topo, bench."""
+"""`pcie-allreduce` (also `python -m pcie_allreduce`): topo, bench, tune, doctor."""
 
 from __future__ import annotations
 
@@ -163,6 +163,29 @@ def build_parser() -> argparse.ArgumentParser:
         return bench_main(args)
 
     b.set_defaults(func=run_bench)
+
+    u = sub.add_parser("tune", help="measure this host once and write its tuning cache")
+    u.add_argument("--transport", choices=["auto", "host", "cuda"], default="auto")
+    u.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, or 2 on host)")
+    u.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], action="append",
+                   help="dtype to tune (repeat for several; default bf16)")
+    u.add_argument("--max-bytes", type=_parse_bytes, default=_parse_bytes("256K"),
+                   help="largest message tuned (default 256K); larger ones keep the seed's rows")
+    u.add_argument("--budget", type=float, default=120.0, help="seconds for the whole tune")
+    u.add_argument("--force", action="store_true", help="measure even if a cache exists")
+    u.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+
+    def run_tune(args: argparse.Namespace) -> int:
+        from .bench import tune_main
+
+        args.dtype = args.dtype or ["bf16"]
+        return tune_main(args)
+
+    u.set_defaults(func=run_tune)
+
+    from . import doctor
+
+    doctor.add_parser(sub)
     return p
 
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, tuning
 from .env import read_env
 from .bootstrap import Bootstrap
 from .errors import PcieAllReduceTimeout
@@ -109,14 +109,14 @@ def _read_table(table: Optional[str]) -> tuple[str, str]:
         table = read_env().table
         if table is None:
             return "", "embedded seed table"
-        text, source = _read_text(table, "PCIE_ALLREDUCE_TABLE"), table
+        text, source = _read_text(table, "PCIE_ALLREDUCE_TABLE"), f"PCIE_ALLREDUCE_TABLE {table}"
     elif not isinstance(table, str) or table.strip() == "":
         raise ValueError(
             f"table must be CSV text or a path to a CSV file, got {table!r} (pass None for "
             "PCIE_ALLREDUCE_TABLE or the embedded seed table)"
         )
     elif "\n" not in table and "," not in table:
-        text, source = _read_text(table, "table file"), str(table)
+        text, source = _read_text(table, "table file"), f"table file {table}"
     else:
         text, source = table, "table argument"
     _C.TuningTable.parse(text, source)
@@ -149,7 +149,9 @@ class PcieAllReduce:
         group: the process group (NCCL for CUDA tensors, gloo for CPU tensors).
         device: ``cpu`` (host shared-memory transport) or a CUDA device.
         max_numel: workspace capacity in elements; fixed for the communicator's life.
-        table: tuning table as CSV text or a path; default PCIE_ALLREDUCE_TABLE or the seed.
+        table: tuning table as CSV text or a path. Without one: PCIE_ALLREDUCE_TABLE, else
+            this host's tuning cache (written by ``tune()``), else the embedded seed table;
+            ``stats()["table_source"]`` names the one in use.
         cpu_group: a gloo group over the same ranks for bootstrapping (made if needed; making
             one is an unbounded torch collective, so engines pass the one they have).
         islands: ranks grouped by socket, overriding the probe (CPU tensors: NUMA nodes).
@@ -195,13 +197,23 @@ class PcieAllReduce:
             off = ("disabled", "PCIE_ALLREDUCE_ENABLE=0")
         off = self._meet(off)
         off = self._probe(opts, topology, islands, off)
+        self._fingerprint_fields = tuning.fingerprint_fields(
+            opts.transport, self.world_size, opts.topology_key, list(opts.island_of),
+            self._devices, self._driver, self._links,
+        )
+        self._fingerprint = tuning.fingerprint(self._fingerprint_fields)
         opts.disabled, opts.disabled_detail = self._handshake(opts, dtypes, off)
+        self._table_text = opts.table_text or _C.TuningTable.embedded_text()
+        self._table_source = opts.table_source
+        self._opts = opts
         self._comm = _C.Communicator(opts)
         self._connect()
         if opts.transport == "cuda" and self._comm.enabled():
             self._verify_p2p()
         self.handle = _C.register_communicator(self._comm)
         self._destroyed = False
+        if self.rank == 0:
+            logger.info("pcie_allreduce: tuning table: %s", self._table_source)
 
     # ------------------------------------------------------------------ construction steps
     def _options(
@@ -218,6 +230,8 @@ class PcieAllReduce:
         opts.timeout_s = self.timeout_s
         opts.initial_gen = int(initial_generation) & 0xFFFFFFFF
         opts.table_text, opts.table_source = _read_table(table)
+        self._dtypes = list(dtypes)
+        self._table_given = bool(opts.table_text)
         opts.group_name = self.group.group_name
         opts.log_level = env.log_level
         return opts
@@ -248,8 +262,10 @@ class PcieAllReduce:
         """Topology key and islands (collective on CUDA: every rank names its GPU); NVLink
         hosts turn the backend off. Returns the (reason, detail) the backend is off for."""
         opts.topology_key, opts.island_of = "host", island_map(self.world_size, islands)
+        self._devices, self._driver, self._links = tuning.host_devices(), "", ""
         if opts.transport != "cuda" or off[0] == "multi_host":
             return off
+        self._devices = [torch.cuda.get_device_name(self.device)] * self.world_size
         if islands is not None:
             opts.topology_key = _C.Topology.from_islands([list(i) for i in islands]).table_key()
             return off
@@ -257,6 +273,8 @@ class PcieAllReduce:
 
         probe = probe_cuda_group(self._boot.gather, self.device, topology)
         opts.topology_key, opts.island_of = probe.table_key, probe.island_of
+        self._devices, self._driver = probe.devices or self._devices, probe.driver
+        self._links = probe.links
         if probe.decline is not None and off[0] == "none":
             return probe.decline, probe.detail
         return off
@@ -266,22 +284,40 @@ class PcieAllReduce:
     ) -> Tuple[str, str]:
         """Every rank must agree on everything that decides a call's path, or they deadlock:
         a disagreement (or any rank being off) turns the backend off on every rank."""
-        table = _C.TuningTable.parse(
-            opts.table_text or _C.TuningTable.embedded_text(), opts.table_source
-        )
         mine = {
             "world": self.world_size,
             "max_numel": self.max_numel,
             "dtypes": sorted(dtypes),
             "transport": opts.transport,
-            "table_hash": table.hash(),
+            # A given table is compared by hash; without one, every rank takes rank 0's
+            # reading of the host's cache (a file another server may be writing right now).
+            "table_hash": _C.TuningTable.parse(opts.table_text, opts.table_source).hash()
+            if self._table_given
+            else "cache or seed",
             "topology": opts.topology_key,
             "island_of": list(opts.island_of),
             "timeout_s": self.timeout_s,
             "disabled": off[0],
         }
+        if self.rank == 0 and not self._table_given:
+            mine["cache"] = self._read_cache()
         everyone: List[Dict[str, Any]] = self._boot.gather(mine, "handshake")
+        cache = everyone[0].pop("cache", None)
+        if cache is not None and all(e["table_hash"] == "cache or seed" for e in everyone):
+            opts.table_text, opts.table_source = cache["text"], cache["source"]
         return off if off[0] != "none" else _disagreement(everyone)
+
+    def _read_cache(self) -> Optional[Dict[str, str]]:
+        """Rank 0's reading of this host's tuning cache: the table, or None (a file that
+        exists but cannot be used is reported and ignored; the next tune replaces it)."""
+        found = tuning.read_cache(tuning.cache_path(self._fingerprint), self._fingerprint)
+        if found.problem is not None:
+            logger.warning("pcie_allreduce: ignoring the tuning cache %s: %s; using the seed "
+                           "table until `pcie-allreduce tune` replaces it", found.path,
+                           found.problem)
+        if found.text is None:
+            return None
+        return {"text": found.text, "source": f"cache {found.path}"}
 
     def _connect(self) -> None:
         """Every rank maps every peer's workspace, then drops what let peers find its own."""
@@ -339,6 +375,8 @@ class PcieAllReduce:
 
     def stats(self) -> Dict[str, Any]:
         s = dict(self._comm.stats())
+        s["table_source"] = self._table_source
+        s["fingerprint"] = self._fingerprint
         s["workspace_bytes"] = self.workspace_bytes
         s["enabled"] = self.enabled
         s["disabled_reason"] = self.disabled_reason
@@ -346,6 +384,32 @@ class PcieAllReduce:
 
     def failure(self) -> Optional[Dict[str, Any]]:
         return self._comm.failure()
+
+    # ------------------------------------------------------------------ tuning
+    def tune(
+        self,
+        *,
+        dtypes: Optional[Sequence[str]] = None,
+        max_bytes: Optional[int] = None,
+        budget_s: float = 120.0,
+        force: bool = False,
+        progress: Optional[bool] = None,
+    ) -> Dict[str, Any]:
+        """Measures every runnable tactic and the fallback on this host and writes the cache
+        (collective). Without ``force`` a valid cache is loaded instead and nothing is
+        measured. See :func:`pcie_allreduce.tuning.tune` for the report."""
+        if getattr(self, "_destroyed", True):
+            raise RuntimeError("tune() on a destroyed PcieAllReduce")
+        return tuning.tune(self, dtypes=dtypes, max_bytes=max_bytes, budget_s=budget_s,
+                           force=force, progress=progress)
+
+    def _install_table(self, text: str, source: str) -> None:
+        """Every rank installs the same table between the same two calls (the tuner)."""
+        self._comm.set_table(text, source)
+        changed = source != self._table_source
+        self._table_text, self._table_source = text, source
+        if self.rank == 0 and changed:
+            logger.info("pcie_allreduce: tuning table: %s", source)
 
     # ------------------------------------------------------------------ the call
     def all_reduce(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

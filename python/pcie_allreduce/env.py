@@ -25,6 +25,8 @@ class Env:
     table: Optional[str]
     timeout_s: float
     log_level: int
+    # PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1: tune() refuses (a cache already written still loads).
+    disable_autotune: bool = False
 
 
 def _flag(env: Mapping[str, str], name: str, default: Optional[bool]) -> Optional[bool]:
@@ -98,4 +100,5 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
         table=table,
         timeout_s=_timeout(env),
         log_level=_log_level(env),
+        disable_autotune=bool(_flag(env, "PCIE_ALLREDUCE_DISABLE_AUTOTUNE", False)),
     )

@@ -19,3 +19,15 @@ class PcieAllReduceTimeout(RuntimeError):
     @property
     def peer(self) -> Optional[int]:
         return self.diagnostic.get("peer")
+
+
+class TuneRefused(RuntimeError):
+    """``tune()`` would measure nothing trustworthy here (inside another autotune pass, during
+    graph capture, ``PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1``, a disabled communicator), so it
+    measures nothing and says why, on every rank."""
+
+
+class TuneError(RuntimeError):
+    """A tune ran but could not produce a table (no tactic passed its correctness check, or
+    every measurement was excluded): it never reports success for a tune that measured
+    nothing."""

@@ -29,21 +29,36 @@ def nvidia_smi_topo_text() -> Optional[str]:
     return done.stdout if done.returncode == 0 and done.stdout.strip() else None
 
 
-def nvidia_smi_bus_ids() -> List[str]:
-    """PCI bus ids in nvidia-smi's GPU order (the order of `topo -m` rows)."""
+def nvidia_smi_query(fields: str) -> List[List[str]]:
+    """`nvidia-smi --query-gpu=FIELDS` rows in nvidia-smi's GPU order (the order of `topo -m`
+    rows), each a list of stripped values; [] when nvidia-smi is missing or fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
     try:
         done = subprocess.run(
-            [exe, "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+            [exe, f"--query-gpu={fields}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [_norm_bus(line) for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0:
+        return []
+    return [[v.strip() for v in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+
+
+def nvidia_smi_bus_ids() -> List[str]:
+    """PCI bus ids in nvidia-smi's GPU order (the order of `topo -m` rows)."""
+    return [_norm_bus(row[0]) for row in nvidia_smi_query("pci.bus_id")]
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version (and the CUDA runtime torch was built with): part of the
+    tuning cache's fingerprint, since a driver update can change which tactic wins."""
+    rows = nvidia_smi_query("driver_version")
+    return f"driver {rows[0][0] if rows else 'unknown'}, cuda {torch.version.cuda}"
 
 
 def _norm_bus(bus_id: str) -> str:
@@ -82,6 +97,9 @@ class GroupTopology:
     island_of: List[int] = field(default_factory=list)
     decline: Optional[str] = None  # "nvlink" / "no_p2p" when the backend must not run
     detail: str = ""
+    devices: List[str] = field(default_factory=list)  # every rank's GPU name, in rank order
+    driver: str = ""
+    links: str = ""  # the group's link classes (Topology.fingerprint of the group's subset)
 
 
 def probe_cuda_group(
@@ -93,9 +111,18 @@ def probe_cuda_group(
     mine = {"bus": _norm_bus(getattr(props, "pci_bus_id", "") or ""), "name": props.name}
     everyone: List[Dict[str, str]] = gather(mine, "topology probe")
     world = len(everyone)
+    names = [e["name"] for e in everyone]
     topo = given if given is not None else probe()
     if topo is None:
-        return GroupTopology(table_key="flat", island_of=[], detail="nvidia-smi unavailable: flat")
+        return GroupTopology(table_key="flat", island_of=[], detail="nvidia-smi unavailable: flat",
+                             devices=names, driver=f"cuda {torch.version.cuda}")
+    result = _group_topology(topo, everyone, world)
+    result.devices, result.driver = names, driver_version()
+    return result
+
+
+def _group_topology(topo: Any, everyone: List[Dict[str, str]], world: int) -> GroupTopology:
+    """Islands and NVLink of the group's GPUs within the host's topology."""
     order = nvidia_smi_bus_ids()
     try:
         gpu_index = [order.index(e["bus"]) for e in everyone]
@@ -115,5 +142,7 @@ def probe_cuda_group(
         )
     several = len(group_topo.islands()) > 1
     return GroupTopology(
-        table_key=group_topo.table_key(), island_of=group_topo.island_of() if several else []
+        table_key=group_topo.table_key(),
+        island_of=group_topo.island_of() if several else [],
+        links=group_topo.fingerprint(),
     )

@@ -4,7 +4,8 @@
 # loopback correctness / graph-replay / latency check (flag and LL protocols, programmatic
 # dependent launch on; latency also with one virtual rank's workspace in host memory), a quick
 # pass with PDL off, then the four failure paths (each traps its kernel, which kills the CUDA
-# context, so each runs in its own process). Logs go to $OUT.
+# context, so each runs in its own process), the torch-level check, a loopback tune and doctor.
+# Logs go to $OUT.
 # Exits non-zero if any step fails; every step runs even after an earlier failure.
 set -o pipefail
 set -u
@@ -76,6 +77,9 @@ echo "==== build torch extension: $(tail -n 1 "$OUT/torch_build.log") ===="
 tail -n 20 "$OUT/torch_build.log"
 step "torch check" torch_check.log timeout 300 python3 tests/gpu/torch_check.py
 step "topo" topo.log python3 -m pcie_allreduce topo
+# The tuner under graph replay in loopback (two ranks on the one GPU), and doctor's verdict.
+step "tune check" tune_check.log timeout 300 python3 tests/gpu/tune_check.py
+step "doctor" doctor.log timeout 120 python3 -m pcie_allreduce doctor --json
 
 echo "==== device check: $([[ $status -eq 0 ]] && echo PASS || echo FAIL) ===="
 exit "$status"

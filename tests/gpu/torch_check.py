@@ -9,16 +9,13 @@ latencies printed here are not PCIe numbers. Prints PASS/FAIL lines; exits non-z
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import two_ranks
 from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 
 TABLES = {
@@ -146,48 +143,11 @@ def body(rank: int, world: int) -> list[str]:
         took = time.monotonic() - start
         verdict = "PASS" if e.peer == 1 and e.diagnostic.get("kind") == "timeout" else "FAIL"
         lines.append(f"{verdict} timeout after {took:.1f} s: {type(e).__name__}: {e}")
-    report(rank, lines)
-
-
-def report(rank: int, lines: list[str]) -> None:
-    with open(os.path.join(os.environ["TORCH_CHECK_OUT"], f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(lines))
-    os._exit(0)  # a trapped CUDA context must not run teardown
-
-
-def entry(rank: int, world: int, init: str, out_dir: str) -> None:
-    os.environ["TORCH_CHECK_OUT"] = out_dir
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-        lines = body(rank, world)
-    except BaseException:
-        lines = ["FAIL " + traceback.format_exc()]
-    report(rank, lines)
+    two_ranks.finish(rank, lines)
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("FAIL no CUDA device")
-        return 1
-    world = 2
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=entry, args=(r, world, os.path.join(tmp, "init"), tmp))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(300)
-            if p.is_alive():
-                p.kill()
-        ok = True
-        for r in range(world):
-            path = os.path.join(tmp, f"rank{r}.txt")
-            text = open(path).read() if os.path.exists(path) else "FAIL no result (hung or died)"
-            print(f"--- rank {r}\n{text}")
-            ok = ok and "FAIL" not in text
-    print("torch check:", "PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return two_ranks.run(body, "torch check", world=2, timeout_s=300)
 
 
 if __name__ == "__main__":

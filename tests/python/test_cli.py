@@ -83,3 +83,59 @@ def test_bench_refuses_cuda_without_gpus_or_bad_arguments():
         assert done.returncode == 2 and "needs at least 2 GPUs" in done.stderr
     done = run_cli("bench", "--transport", "host", "--world", "9")
     assert done.returncode == 2 and "2..8" in done.stderr
+
+
+def run_cli_env(env_extra, *args, timeout=600):
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "pcie_allreduce", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env_extra},
+    )
+
+
+def test_tune_writes_the_cache_and_a_second_run_measures_nothing(tmp_path):
+    env = {"PCIE_ALLREDUCE_CACHE_DIR": str(tmp_path)}
+    report = tmp_path / "report.json"
+    args = ("tune", "--transport", "host", "--world", "2", "--max-bytes", "4K", "--budget", "8")
+    first = run_cli_env(env, *args, "--json", str(report))
+    assert first.returncode == 0, first.stdout + first.stderr
+    written = list(tmp_path.glob("host-w2-*.csv"))
+    assert len(written) == 1 and f"# wrote {written[0]}" in first.stdout
+    data = json.loads(report.read_text())
+    assert data["status"] == "tuned" and data["measured"] > 0
+    assert f"# measured {data['measured']} (bucket, tactic) pairs" in first.stdout
+    # Every bucket's row, the incumbent and the chosen tactic with their times.
+    assert [c["bytes"] for c in data["choices"]] == [1024, 2048, 4096]
+    for c in data["choices"]:
+        assert f"{c['bytes']:>9}" in first.stdout and c["winner"] in first.stdout
+    second = run_cli_env(env, *args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "measured nothing" in second.stdout and str(written[0]) in second.stdout
+
+
+def test_tune_refusals_and_bad_arguments_exit_2_saying_why(tmp_path):
+    env = {"PCIE_ALLREDUCE_CACHE_DIR": str(tmp_path), "PCIE_ALLREDUCE_DISABLE_AUTOTUNE": "1"}
+    done = run_cli_env(env, "tune", "--transport", "host", "--max-bytes", "2K")
+    assert done.returncode == 2 and "PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1" in done.stderr
+    assert "measured nothing" in done.stderr
+    assert not list(tmp_path.glob("*.csv"))
+    done = run_cli("tune", "--transport", "host", "--budget", "0")
+    assert done.returncode == 2 and "--budget" in done.stderr
+    done = run_cli("tune", "--transport", "host", "--world", "1")
+    assert done.returncode == 2 and "2..8" in done.stderr
+
+
+def test_doctor_gives_a_verdict_here_and_on_a_recorded_nvlink_host():
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "doctor"
+    here = run_cli("doctor", "--json")
+    report = json.loads(here.stdout)
+    assert here.returncode == (0 if report["ok"] else 1) and isinstance(report["verdict"], str)
+    nvlink = run_cli("doctor", "--json", "--fixture", str(fixtures / "dgx_nvlink_8gpu"))
+    report = json.loads(nvlink.stdout)
+    assert nvlink.returncode == 1 and report["ok"] is False and "nvlink" in report["verdict"].lower()
+    text = run_cli("doctor", "--fixture", str(fixtures / "two_socket_8gpu"), "--no-p2p-test")
+    assert text.returncode == 0 and text.stdout.strip().splitlines()[-1].startswith("verdict:")

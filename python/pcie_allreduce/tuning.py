@@ -1,0 +1,724 @@
+"""The tuning cache and autotune.
+
+Every host measures once: ``tune()`` times every runnable tactic (and the fallback) per size
+bucket, keeps the incumbent unless a challenger wins by more than the measured noise, and
+writes ``$PCIE_ALLREDUCE_CACHE_DIR/<fingerprint>.csv`` (default ``~/.cache/pcie_allreduce``).
+The next communicator on the same host (same fingerprint) loads that file and measures
+nothing. The file is the tuning-table format with the measured times as extra columns and a
+comment header naming the library version, format version, fingerprint, date and devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .env import read_env
+from .errors import TuneError, TuneRefused
+from .plan import ALGORITHMS
+from .testing import DTYPES
+
+logger = logging.getLogger("pcie_allreduce")
+
+FORMAT_VERSION = 1
+CACHE_MAGIC = "# pcie_allreduce tuning cache"
+
+
+def library_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def cache_dir(env: Optional[Mapping[str, str]] = None) -> Path:
+    """``$PCIE_ALLREDUCE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pcie_allreduce``, else
+    ``~/.cache/pcie_allreduce``."""
+    env = os.environ if env is None else env
+    given = env.get("PCIE_ALLREDUCE_CACHE_DIR", "").strip()
+    if given:
+        return Path(given).expanduser()
+    xdg = env.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pcie_allreduce"
+
+
+def host_devices() -> List[str]:
+    """What the host transport runs on: the CPU model and the number of NUMA nodes."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    return [f"{model} ({os.cpu_count()} CPUs, {nodes} NUMA node(s))"]
+
+
+def fingerprint_fields(
+    transport: str,
+    world: int,
+    topology_key: str,
+    island_of: Sequence[int],
+    devices: Sequence[str],
+    driver: str = "",
+    links: str = "",
+) -> Dict[str, Any]:
+    """Everything that changes which tactic wins: what a cache file is valid for (``links``:
+    the group's pairwise link classes, ``Topology.fingerprint()`` of its GPUs)."""
+    return {
+        "library": library_version(),
+        "format": FORMAT_VERSION,
+        "transport": transport,
+        "world": int(world),
+        "topology": topology_key,
+        "island_of": [int(i) for i in island_of],
+        "devices": [str(d) for d in devices],
+        "driver": driver,
+        "links": links,
+    }
+
+
+def fingerprint(fields: Mapping[str, Any]) -> str:
+    """``<transport>-w<world>-<12 hex digits>``: a file name, readable where it matters."""
+    digest = hashlib.sha256(json.dumps(dict(fields), sort_keys=True).encode()).hexdigest()
+    return f"{fields['transport']}-w{fields['world']}-{digest[:12]}"
+
+
+def cache_path(fp: str, env: Optional[Mapping[str, str]] = None) -> Path:
+    return cache_dir(env) / f"{fp}.csv"
+
+
+@dataclass
+class CacheRead:
+    """What ``read_cache`` found: ``text`` (the table) when the file is valid for this
+    fingerprint; ``problem`` says why a file that exists was not used; both None: no file."""
+
+    path: Path
+    text: Optional[str] = None
+    problem: Optional[str] = None
+    header: Optional[Dict[str, str]] = None
+
+
+def _checksum(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def read_cache(path: Path, fp: str) -> CacheRead:
+    """Loads a cache file, or says why it cannot be used (missing trailer = truncated, a bad
+    checksum = corrupt, another fingerprint or format = foreign). Never raises for content."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return CacheRead(Path(path))
+    except OSError as error:
+        return CacheRead(Path(path), problem=f"unreadable ({error.strerror or error})")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return CacheRead(Path(path), problem=f"corrupt (not UTF-8 at byte {error.start})")
+    if not text.startswith(CACHE_MAGIC + "\n"):
+        return CacheRead(Path(path), problem="not a pcie_allreduce tuning cache (no header)")
+    body, sep, trailer = text.rstrip("\n").rpartition("\n")
+    if not sep or not trailer.startswith("# checksum "):
+        return CacheRead(Path(path), problem="truncated (no checksum line at the end)")
+    if trailer.split()[-1] != _checksum(body + "\n"):
+        return CacheRead(Path(path), problem="corrupt (checksum does not match the contents)")
+    header: Dict[str, str] = {}
+    for line in body.splitlines():
+        if line.startswith("# ") and ": " in line:
+            key, _, value = line[2:].partition(": ")
+            header.setdefault(key.strip(), value.strip())
+    if header.get("format") != str(FORMAT_VERSION):
+        return CacheRead(Path(path), problem=f"format {header.get('format')!r}, this library "
+                         f"reads {FORMAT_VERSION}", header=header)
+    if header.get("fingerprint") != fp:
+        return CacheRead(Path(path), problem=f"foreign (fingerprint {header.get('fingerprint')!r}"
+                         f", this host is {fp!r})", header=header)
+    try:
+        _C.TuningTable.parse(body + "\n", str(path))
+    except ValueError as error:
+        return CacheRead(Path(path), problem=f"corrupt ({error})", header=header)
+    return CacheRead(Path(path), text=body + "\n", header=header)
+
+
+def write_cache(path: Path, fp: str, fields: Mapping[str, Any], rows: str, measured: int) -> None:
+    """Writes a cache file atomically: a temporary file in the same folder, fsynced, then
+    renamed over ``path``, so a reader sees the old file or the new one, never a torn one.
+    The last line is a checksum of everything before it (a truncated file has none)."""
+    header = [
+        CACHE_MAGIC,
+        f"# format: {FORMAT_VERSION}",
+        f"# library: {library_version()}",
+        f"# fingerprint: {fp}",
+        f"# date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+        f"# devices: {'; '.join(fields.get('devices', []))}",
+        f"# measured: {measured} (bucket, tactic) pairs",
+        f"# fields: {json.dumps(dict(fields), sort_keys=True)}",
+        "# Written by `pcie-allreduce tune` / PcieAllReduce.tune(); delete it to measure again.",
+    ]
+    body = "\n".join(header) + "\n" + rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(body + f"# checksum {_checksum(body)}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class CacheLock:
+    """An advisory lock on ``<cache>.lock`` (flock), so two servers starting together on one
+    host neither corrupt the cache nor both measure: the second waits, then finds the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.with_name(path.name + ".lock")
+        self._fd: Optional[int] = None
+
+    def try_acquire(self) -> bool:
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+        return True
+
+    def holder(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.path.read_text().strip() or "unknown"
+        return "unknown"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+# ------------------------------------------------------------------------------- autotune
+
+_HOST_SHAPES = ((1, 32), (2, 32))  # (blocks, threads): the host executor ignores threads
+_CUDA_SHAPES = tuple((b, t) for b in (4, 8, 16, 32) for t in (256, 512))
+_MIN_ROUNDS = 10
+_MAX_ROUNDS = 60
+_PRECISION = 0.01  # stop once every finalist's ratio to the incumbent is known to 1 %
+# A challenger must win by more than the noise, and by at least 5 % against a guess (the seed
+# or a given table) or 10 % against a measured choice (the cache): on a shared machine the
+# ratio of two tactics itself drifts a few percent between runs, and a choice that flips on
+# that drift is worth less than the few percent it would gain.
+_MIN_MARGIN = 0.05
+_MIN_MARGIN_MEASURED = 0.10
+_FINALIST = 1.25  # after the minimum rounds only contenders this close to the best are timed
+_BLOCK_SECONDS = 0.001  # one timed block of calls per contender per round
+_FALLBACK_ROW = "fallback,,,,,"
+
+_nesting = threading.local()
+
+# Tests replace how a block of calls is timed, to drive the decision logic with known costs
+# and known noise: synthetic_timer(label, size_bytes) -> seconds per call. The calls still run.
+synthetic_timer: Optional[Any] = None
+
+
+@contextlib.contextmanager
+def autotune_pass(name: str) -> Iterator[None]:
+    """Marks an autotune pass on this thread; ``tune()`` refuses to run inside one, because
+    timings taken inside another tuner's pass (FlashInfer's, an engine's warm-up) measure that
+    pass, not us. Engine integrations wrap their own passes in it."""
+    outer = getattr(_nesting, "name", None)
+    _nesting.name = name if outer is None else outer
+    try:
+        yield
+    finally:
+        _nesting.name = outer
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One contender: a tactic label (or ``fallback``) and its table columns 6..11."""
+
+    label: str
+    columns: str
+
+
+def candidates(transport: str, world: int, island_of: Sequence[int], max_blocks: int
+               ) -> List[Candidate]:
+    """Every tactic the plan layer supports here, in every (blocks, threads) shape worth
+    trying on this transport, then the fallback."""
+    shapes = _HOST_SHAPES if transport == "host" else _CUDA_SHAPES
+    out: List[Candidate] = []
+    for algorithm in ALGORITHMS:
+        for direction in ("push", "pull"):
+            for staged in (False, True):
+                for protocol in ("flag", "ll"):
+                    if _C.why_unsupported(algorithm, world, list(island_of), direction, staged,
+                                          protocol) is not None:
+                        continue
+                    for blocks, threads in shapes:
+                        if blocks > max_blocks:
+                            continue
+                        label = (f"{algorithm}/{direction}/{'staged' if staged else 'unstaged'}"
+                                 f"/{protocol}/b{blocks}/t{threads}")
+                        columns = (f"{algorithm},{direction},{int(staged)},{blocks},{threads},"
+                                   f"{protocol}")
+                        out.append(Candidate(label, columns))
+    out.append(Candidate("fallback", _FALLBACK_ROW))
+    return out
+
+
+def columns_of_label(label: str) -> str:
+    """Table columns 6..11 for a tactic label ``alg/dir/staged|unstaged/proto/bN/tM``."""
+    if label == "fallback":
+        return _FALLBACK_ROW
+    algorithm, direction, staged, protocol, blocks, threads = label.split("/")
+    return f"{algorithm},{direction},{int(staged == 'staged')},{blocks[1:]},{threads[1:]},{protocol}"
+
+
+def buckets(max_bytes: int, min_bytes: int = 1024) -> List[tuple[int, int, int]]:
+    """(lo, measured size, hi) per bucket: sizes 1 KiB, 2 KiB, ... up to ``max_bytes``; each
+    bucket reaches halfway (geometrically) to its neighbours, the first from 0 and the last to
+    no bound (hi = -1), boundaries on 16 bytes."""
+    sizes = []
+    size = min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 2
+    if not sizes:
+        sizes = [max(16, max_bytes // 16 * 16)]
+    edges = [0] + [int(s * 1.4142135623730951) // 16 * 16 for s in sizes[:-1]] + [-1]
+    return [(edges[i], s, edges[i + 1]) for i, s in enumerate(sizes)]
+
+
+def _median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def median_and_error(samples: Sequence[float]) -> tuple[float, float]:
+    """(median, relative standard error of the median), the error from the median absolute
+    deviation: robust to the slow outliers a shared machine produces."""
+    med = _median(samples)
+    if len(samples) < 2 or med <= 0:
+        return med, 1.0
+    mad = _median([abs(s - med) for s in samples])
+    return med, 1.253 * 1.4826 * mad / med / len(samples) ** 0.5
+
+
+def keep_or_replace(incumbent: Optional[str], samples: Mapping[str, Sequence[float]],
+                    min_margin: float = _MIN_MARGIN) -> tuple[str, float, float]:
+    """(winner, challenger/incumbent time ratio, margin it had to beat). The incumbent stays
+    unless the fastest challenger beats it by more than ``min_margin`` and by more than three
+    standard errors of the per-round ratio. Each round times both back to back, so the ratio
+    cancels the slow and fast phases of a shared machine that the times themselves carry: two
+    tunes of one host choose the same."""
+    if incumbent is None or incumbent not in samples:
+        medians = {label: _median(times) for label, times in samples.items() if times}
+        return min(medians, key=medians.__getitem__), 1.0, 0.0
+    ratios = {label: ratio_and_error(times, samples[incumbent])
+              for label, times in samples.items() if label != incumbent and times}
+    if not ratios:
+        return incumbent, 1.0, 0.0
+    best = min(ratios, key=lambda label: ratios[label][0])
+    ratio, error = ratios[best]
+    margin = max(min_margin, 3.0 * error)
+    return (best if ratio < 1.0 - margin else incumbent), ratio, margin
+
+
+def ratio_and_error(challenger: Sequence[float], incumbent: Sequence[float]
+                    ) -> tuple[float, float]:
+    """Median of the per-round time ratios and its standard error (absolute)."""
+    ratios = [c / i for c, i in zip(challenger, incumbent) if i > 0]
+    med, rel = median_and_error(ratios)
+    return med, rel * med
+
+
+def _exact_input(rank: int, numel: int, dtype: Any) -> Any:
+    """Small integers (-4..4): their sum over 8 ranks is exact in every dtype, so a tactic's
+    result must equal the reference bit for bit."""
+    idx = torch.arange(numel, dtype=torch.int64)
+    return ((idx * 7 + rank * 13) % 9 - 4).to(dtype)
+
+
+def _exact_sum(world: int, numel: int, dtype: Any) -> Any:
+    total = _exact_input(0, numel, dtype).double()
+    for r in range(1, world):
+        total += _exact_input(r, numel, dtype).double()
+    return total.to(dtype)
+
+
+class _Progress:
+    """A bar on a terminal, log lines otherwise (rank 0 only)."""
+
+    def __init__(self, total: int, show: bool) -> None:
+        self.total, self.done, self.show = total, 0, show
+        self.tty = show and sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if not self.show:
+            return
+        if self.tty:
+            filled = int(30 * self.done / max(self.total, 1))
+            sys.stderr.write(f"\r[pcie_allreduce tune] [{'#' * filled}{'.' * (30 - filled)}] "
+                             f"{self.done}/{self.total} {what:<40}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            logger.info("pcie_allreduce tune: %d/%d %s", self.done, self.total, what)
+
+
+class _Tuner:
+    """One tune of one communicator: every rank runs the same candidates in the same order;
+    every decision is computed from gathered numbers, and rank 0's table is the one kept."""
+
+    def __init__(self, ar: Any, budget_s: float) -> None:
+        self.ar, self.comm, self.boot = ar, ar._comm, ar._boot
+        self.budget_s = budget_s
+        self.cuda = ar.device.type == "cuda"
+        # CUDA-graph replay is how engines run decode, so that is what is timed; the fallback
+        # only when its backend can be captured (NCCL can, gloo cannot).
+        self.graph_fallback = self.cuda and dist.get_backend(ar.group) == "nccl"
+        self.sync = (lambda: torch.cuda.synchronize(ar.device)) if self.cuda else (lambda: None)
+        self.original_text, self.original_source = ar._table_text, ar._table_source
+        measured = self.original_source.startswith("cache ")
+        self.min_margin = _MIN_MARGIN_MEASURED if measured else _MIN_MARGIN
+        opts = ar._opts
+        self.candidates = candidates(opts.transport, ar.world_size, list(opts.island_of),
+                                     opts.max_blocks)
+        self.measured = 0
+        self.excluded: List[Dict[str, Any]] = []
+
+    def install(self, columns: str, dtype: str) -> None:
+        self.comm.set_table(f"*,*,{dtype},0,*,{columns}\n", "tune candidate")
+
+    def restore(self) -> None:
+        self.comm.set_table(self.original_text, self.original_source)
+
+    def _timed(self, fn: Any, calls: int, label: str = "", size: int = 0) -> float:
+        """Seconds per call of ``calls`` calls of ``fn`` (CUDA-graph replay on GPUs)."""
+        if synthetic_timer is not None:
+            fn()
+            return float(synthetic_timer(label, size))
+
+        if self.cuda and (label != "fallback" or self.graph_fallback):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    fn()
+            self.sync()
+            start = time.perf_counter()
+            graph.replay()
+            self.sync()
+            return (time.perf_counter() - start) / calls
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        self.sync()
+        return (time.perf_counter() - start) / calls
+
+    def bucket(self, dtype: str, lo: int, size: int, hi: int, budget_s: float
+               ) -> Optional[Dict[str, Any]]:
+        """Measures one size bucket; None when the communicator declines that size."""
+        numel = size // DTYPES[dtype].itemsize
+        x = _exact_input(self.ar.rank, numel, DTYPES[dtype]).to(self.ar.device)
+        if self.comm.supports(x) is not None:
+            return None
+        expected = _exact_sum(self.ar.world_size, numel, DTYPES[dtype])
+        y = torch.empty_like(x)
+        self.restore()
+        incumbent = self.ar.chosen_tactic(x)
+        contenders = self._runnable(x, dtype, incumbent)
+
+        def call() -> None:
+            self.ar.all_reduce(x, out=y)
+
+        contenders = self._correct(contenders, dtype, call, y, expected, size)
+        if not contenders:
+            raise TuneError(f"no tactic and not even the fallback gave the exact sum at {size} "
+                            f"bytes {dtype}: nothing to choose from")
+        samples = self._rounds(contenders, dtype, call, budget_s, incumbent, size)
+        stats = {label: median_and_error(times) for label, times in samples.items()}
+        winner, ratio, margin = keep_or_replace(incumbent, samples, self.min_margin)
+        self.measured += len(samples)
+        return {
+            "dtype": dtype, "bytes": size, "min_bytes": lo, "max_bytes": hi,
+            "winner": winner, "columns": contenders[winner],
+            "time_us": stats[winner][0] * 1e6, "noise_pct": stats[winner][1] * 100,
+            "fallback_us": stats["fallback"][0] * 1e6 if "fallback" in stats else float("nan"),
+            "incumbent": incumbent,
+            "incumbent_us": stats[incumbent][0] * 1e6 if incumbent in stats else float("nan"),
+            "ratio": ratio, "margin_pct": margin * 100, "changed": winner != incumbent,
+            "rounds": len(samples[incumbent]),
+            "measured": {label: stats[label][0] * 1e6 for label in stats},
+        }
+
+    def _runnable(self, x: Any, dtype: str, incumbent: str) -> Dict[str, str]:
+        """label -> columns of every candidate the communicator can run at this size; the
+        incumbent is always among them (it may use a shape the sweep does not try)."""
+        out: Dict[str, str] = {}
+        for c in self.candidates:
+            self.install(c.columns, dtype)
+            if self.ar.chosen_tactic(x) == c.label:
+                out[c.label] = c.columns
+        out.setdefault(incumbent, columns_of_label(incumbent))
+        return out
+
+    def _correct(self, contenders: Dict[str, str], dtype: str, call: Any, y: Any,
+                 expected: Any, size: int) -> Dict[str, str]:
+        """Correctness first: a contender that gives a wrong sum on any rank is excluded, with
+        a warning that names it."""
+        mine = []
+        for label, columns in contenders.items():
+            self.install(columns, dtype)
+            y.fill_(0)
+            call()
+            self.sync()
+            mine.append(bool(torch.equal(y.cpu(), expected)))
+        everyone = self.boot.gather(mine, "tune: correctness")
+        ok: Dict[str, str] = {}
+        for i, (label, columns) in enumerate(contenders.items()):
+            wrong = [r for r, flags in enumerate(everyone) if not flags[i]]
+            if wrong:
+                self.excluded.append({"tactic": label, "dtype": dtype, "bytes": size,
+                                      "ranks": wrong})
+                logger.warning("pcie_allreduce tune: %s gave a wrong sum at %d bytes %s on "
+                               "ranks %s: excluded", label, size, dtype, wrong)
+            else:
+                ok[label] = columns
+        return ok
+
+    def _rounds(self, contenders: Dict[str, str], dtype: str, call: Any, budget_s: float,
+                incumbent: str, size: int) -> Dict[str, List[float]]:
+        """Interleaved rounds (each contender timed once per round, in a rotating order). After
+        the minimum rounds only the finalists (within 25 % of the best, and the incumbent) are
+        timed, until each one's ratio to the incumbent is known to 1 % or the bucket's budget
+        is spent. Every rank computes the same stop from the same gathered numbers."""
+        labels = list(contenders)
+        probe = []
+        for label in labels:
+            self.install(contenders[label], dtype)
+            call()
+            probe.append(self._timed(call, 3, label, size))
+        slowest = [max(col) for col in zip(*self.boot.gather(probe, "tune: probe"))]
+        calls = {label: int(min(500, max(3, _BLOCK_SECONDS / max(t, 1e-7))))
+                 for label, t in zip(labels, slowest)}
+        samples: Dict[str, List[float]] = {label: [] for label in labels}
+        active = list(labels)
+        start = time.perf_counter()
+        for round_no in range(_MAX_ROUNDS):
+            order = active[round_no % len(active):] + active[: round_no % len(active)]
+            mine = {}
+            for label in order:
+                self.install(contenders[label], dtype)
+                call()
+                mine[label] = self._timed(call, calls[label], label, size)
+            everyone = self.boot.gather({"t": mine, "elapsed": time.perf_counter() - start},
+                                        "tune: round")
+            for label in active:
+                samples[label].append(max(e["t"][label] for e in everyone))
+            elapsed = max(e["elapsed"] for e in everyone)
+            if round_no + 1 < _MIN_ROUNDS:
+                continue
+            ratios = {label: _median([t / i for t, i in zip(samples[label], samples[incumbent])])
+                      for label in active}
+            best = min(ratios.values())
+            active = [label for label in active
+                      if ratios[label] <= _FINALIST * best or label == incumbent]
+            errors = [ratio_and_error(samples[label], samples[incumbent])[1]
+                      for label in active if label != incumbent]
+            if all(e <= _PRECISION for e in errors) or elapsed > budget_s:
+                break
+        return samples
+
+
+def _refusal(ar: Any) -> Optional[str]:
+    """Why this rank must not tune now, or None."""
+    if read_env().disable_autotune:
+        return "PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1"
+    outer = getattr(_nesting, "name", None)
+    if outer is not None:
+        return (f"inside another autotune pass ({outer}): its timings would measure that pass; "
+                "tune before or after it")
+    if ar.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return "during CUDA graph capture: nothing can be timed while a graph is recorded"
+    if not ar.enabled:
+        return f"the communicator is disabled ({ar.disabled_reason}): there is nothing to tune"
+    return None
+
+
+def _check_arguments(ar: Any, dtypes: Optional[Sequence[str]], max_bytes: Optional[int],
+                     budget_s: float) -> List[str]:
+    """The dtypes to tune; a bad argument raises on this rank before any exchange."""
+    chosen = list(dtypes) if dtypes is not None else list(ar._dtypes[:1])
+    unknown = [d for d in chosen if d not in ar._dtypes]
+    if not chosen or unknown:
+        raise ValueError(f"tune(dtypes={dtypes!r}): expected a non-empty subset of the "
+                         f"communicator's dtypes {ar._dtypes}")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                  or max_bytes < 16):
+        raise ValueError(f"tune(max_bytes={max_bytes!r}): expected a whole number of bytes >= 16")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not (
+            0 < budget_s < float("inf")):
+        raise ValueError(f"tune(budget_s={budget_s!r}): expected a positive number of seconds")
+    return chosen
+
+
+def _agree_to_tune(ar: Any) -> None:
+    """Every rank says whether it may tune; any refusal is raised on every rank, named."""
+    everyone = ar._boot.gather(_refusal(ar), "tune: start")
+    refused = [(r, why) for r, why in enumerate(everyone) if why is not None]
+    if refused:
+        rank, why = refused[0]
+        raise TuneRefused(f"pcie_allreduce tune refused on rank {rank}: {why}; measured nothing")
+
+
+def _lock_cache(ar: Any, path: Path, wait_s: float) -> Optional[CacheLock]:
+    """Rank 0 takes the cache lock; every rank waits (bounded, in small steps, so no
+    exchange outlives the timeout) while another tune of this host holds it."""
+    lock = CacheLock(path) if ar.rank == 0 else None
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = None
+        if lock is not None:
+            state = "held" if lock.try_acquire() else f"busy (pid {lock.holder()})"
+        state = ar._boot.gather(state, "tune: cache lock")[0]
+        if state == "held":
+            return lock
+        if time.monotonic() > deadline:
+            raise TuneError(f"another tune of this host holds {path}.lock ({state}) for more "
+                            f"than {wait_s:.0f} s; measured nothing")
+        time.sleep(0.2)
+
+
+def _rows(choices: List[Dict[str, Any]], key: str, world: int) -> str:
+    lines = ["topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
+             "threads,protocol,time_us,fallback_us,incumbent,incumbent_us,noise_pct"]
+    for c in choices:
+        hi = "*" if c["max_bytes"] < 0 else str(c["max_bytes"])
+        lines.append(f"{key},{world},{c['dtype']},{c['min_bytes']},{hi},{c['columns']},"
+                     f"{c['time_us']:.2f},{c['fallback_us']:.2f},{c['incumbent']},"
+                     f"{c['incumbent_us']:.2f},{c['noise_pct']:.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def _tail(original_text: str, key: str, world: int, dtypes: Sequence[str]) -> str:
+    """The table in use before, minus the rows the tuned ones replace: every size of the
+    tuned dtypes outside the tuned range still gets a decision."""
+    kept = []
+    for line in _C.TuningTable.parse(original_text, "table").canonical_text().splitlines():
+        topology, w, dtype = line.split(",")[:3]
+        if topology == key and w == str(world) and dtype in dtypes:
+            continue
+        kept.append(line)
+    return "# the table in use before this tune, for everything it did not measure\n" + \
+        "\n".join(kept) + "\n"
+
+
+def tune(ar: Any, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional[int] = None,
+         budget_s: float = 120.0, force: bool = False, progress: Optional[bool] = None
+         ) -> Dict[str, Any]:
+    """Measures this host and writes its cache (collective: call on every rank).
+
+    Without ``force``, a valid cache for this host is loaded and nothing is measured
+    (``measured`` is 0 and ``status`` is ``cached``). Returns a report: ``measured`` (bucket,
+    tactic pairs timed), ``path`` (the cache file), ``status``, ``choices`` (per bucket: the
+    winner, the incumbent and their times), ``excluded`` (wrong tactics), ``table_hash``."""
+    dtypes = _check_arguments(ar, dtypes, max_bytes, budget_s)
+    _agree_to_tune(ar)
+    started = time.perf_counter()
+    path = cache_path(ar._fingerprint)
+    lock = _lock_cache(ar, path, wait_s=max(budget_s * 2, ar.timeout_s))
+    try:
+        if not force:
+            found = read_cache(path, ar._fingerprint) if ar.rank == 0 else CacheRead(path)
+            text = ar._boot.gather(found.text, "tune: cache")[0]
+            if text is not None:
+                ar._install_table(text, f"cache {path}")
+                return {"status": "cached", "measured": 0, "path": str(path), "choices": [],
+                        "excluded": [], "seconds": time.perf_counter() - started,
+                        "table_hash": int(ar._comm.table_hash())}
+        report = _measure(ar, dtypes, max_bytes, budget_s, progress, path)
+    finally:
+        if lock is not None:
+            lock.release()
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _measure(ar: Any, dtypes: List[str], max_bytes: Optional[int], budget_s: float,
+             progress: Optional[bool], path: Path) -> Dict[str, Any]:
+    tuner = _Tuner(ar, budget_s)
+    key, world = ar._opts.topology_key, ar.world_size
+    plan = []
+    for dtype in dtypes:
+        top = ar.max_numel * DTYPES[dtype].itemsize
+        plan += [(dtype, *b) for b in buckets(min(top, max_bytes or top))]
+    bar = _Progress(len(plan), show=(ar.rank == 0) if progress is None else progress)
+    choices = []
+    try:
+        for dtype, lo, size, hi in plan:
+            choice = tuner.bucket(dtype, lo, size, hi, budget_s / max(len(plan), 1))
+            if choice is not None:
+                choices.append(choice)
+            bar.step(f"{dtype} {size} B")
+    finally:
+        tuner.restore()
+    if tuner.measured == 0 or not choices:
+        raise TuneError("pcie_allreduce tune measured nothing (every size was declined); the "
+                        "table in use is unchanged")
+    text = _rows(choices, key, world) + _tail(ar._table_text, key, world, dtypes)
+    text = ar._boot.gather(text if ar.rank == 0 else None, "tune: decision")[0]
+    ar._install_table(text, f"cache {path}")
+    hashes = ar._boot.gather(int(ar._comm.table_hash()), "tune: table hash")
+    if len(set(hashes)) != 1:
+        ar._comm.disable("disabled", f"ranks installed different tuned tables: {hashes}")
+        raise TuneError(f"ranks installed different tuned tables (hashes {hashes})")
+    written, problem = _write_on_rank0(ar, path, text, tuner.measured)
+    return {"status": "tuned", "measured": tuner.measured, "path": str(path) if written else None,
+            "problem": problem, "choices": choices, "excluded": tuner.excluded,
+            "table_hash": hashes[0]}
+
+
+def _write_on_rank0(ar: Any, path: Path, text: str, measured: int) -> tuple[bool, Optional[str]]:
+    problem = None
+    if ar.rank == 0:
+        try:
+            write_cache(path, ar._fingerprint, ar._fingerprint_fields, text, measured)
+        except OSError as error:
+            problem = f"could not write {path}: {error}"
+            logger.warning("pcie_allreduce tune: %s; the tuned table is used but not kept",
+                           problem)
+    problem = ar._boot.gather(problem, "tune: written")[0]
+    return problem is None, problem
