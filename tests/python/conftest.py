@@ -3,8 +3,10 @@ process group, and pcie_allreduce's host transport uses real POSIX shared memory
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
+import shutil
 import tempfile
 import traceback
 from pathlib import Path
@@ -14,6 +16,15 @@ import pytest
 import torch.multiprocessing as mp
 
 SHM_PREFIX = "pcie_ar."
+
+# No test reads or writes the developer's own tuning cache (~/.cache/pcie_allreduce): a cache
+# left there by a real tune would change which tactic the seed-table tests see. Tests of the
+# cache point PCIE_ALLREDUCE_CACHE_DIR at their own tmp_path. Spawned ranks import this module
+# too and inherit the pytest process's folder.
+if mp.parent_process() is None:
+    _CACHE = tempfile.mkdtemp(prefix="pcie_ar_test_cache.")
+    os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = _CACHE
+    atexit.register(shutil.rmtree, _CACHE, True)
 
 
 def shm_entries() -> set[str]:

@@ -340,3 +340,41 @@ def test_a_replaced_table_takes_the_next_call_and_a_bad_one_keeps_the_old(clean_
         assert "broken line 1" in r["refused"] and "sideways" in r["refused"]
         assert r["kept"] == (r["before"], "embedded seed table")
         assert r["after"] == "twoshot/pull/staged/flag/b2/t32" and r["sum_ok"]
+
+
+def test_the_cache_loader_never_raises_on_damaged_files(tmp_path):
+    """A bounded mutation fuzz of the cache loader: flipped, dropped and inserted bytes, cut
+    files. Every outcome is a usable table or a stated problem, never an exception."""
+    import random
+
+    from pcie_allreduce import _C, tuning
+
+    fp = "host-w2-0123456789ab"
+    path = tmp_path / f"{fp}.csv"
+    rows = "host,2,bf16,0,4096,oneshot,push,0,1,32,flag,1.0\nhost,2,*,4096,*,fallback,,,,\n"
+    tuning.write_cache(path, fp, {"devices": ["cpu"]}, rows, 2)
+    good = path.read_bytes()
+    assert tuning.read_cache(path, fp).text is not None
+    rng = random.Random(10)
+    outcomes = set()
+    for _ in range(600):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(data))
+            kind = rng.randrange(4)
+            if kind == 0:
+                data[at] = rng.randrange(256)
+            elif kind == 1:
+                del data[at]
+            elif kind == 2:
+                data.insert(at, rng.randrange(256))
+            else:
+                del data[at:]
+                break
+        path.write_bytes(bytes(data))
+        found = tuning.read_cache(path, fp)
+        assert (found.text is None) != (found.problem is None) or bytes(data) == good
+        if found.text is not None:
+            _C.TuningTable.parse(found.text, "cache")  # a table it hands out always parses
+        outcomes.add((found.problem or "valid").split(" ")[0])
+    assert {"truncated", "corrupt"} <= outcomes
