@@ -336,6 +336,7 @@ void bind_communicator(py::module_& m) {
            [](const comm::Communicator& c) { return c.options().disabled_detail; })
       .def("table_hash", &comm::Communicator::table_hash)
       .def("table_source", &comm::Communicator::table_source)
+      .def("prepare", &comm::Communicator::prepare)
       .def("set_table", &comm::Communicator::set_table, py::arg("text"), py::arg("source"))
       .def("layout_hash", &comm::Communicator::layout_hash)
       .def("workspace_bytes", &comm::Communicator::workspace_bytes)

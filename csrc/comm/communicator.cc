@@ -379,6 +379,27 @@ void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
   reduce_into(inp, out);
 }
 
+int Communicator::prepare() {
+  const CallGuard guard(busy_);
+  if (!enabled()) return static_cast<int>(programs_.size());
+  std::vector<int64_t> edges = {workspace_->layout().ll_capacity_bytes,
+                                workspace_->layout().ll_capacity_bytes + plan::kVectorBytes};
+  for (const plan::TableRow& row : table_.rows()) {
+    edges.push_back(row.min_bytes);
+    if (row.max_bytes > 0) edges.push_back(row.max_bytes - plan::kVectorBytes);
+  }
+  for (const plan::DType dtype : options_.dtypes) {
+    const int64_t top = options_.max_numel * plan::dtype_bytes(dtype);
+    for (int64_t bytes : edges) {
+      // Admitted sizes are whole 16-byte vectors, from one vector up to the workspace.
+      bytes = std::min(top, std::max<int64_t>(plan::kVectorBytes, bytes));
+      bytes -= bytes % plan::kVectorBytes;
+      if (bytes >= plan::kVectorBytes) decide(dtype, bytes);
+    }
+  }
+  return static_cast<int>(programs_.size());
+}
+
 void Communicator::set_table(const std::string& text, const std::string& source) {
   const CallGuard guard(busy_);
   plan::TuningTable table = plan::TuningTable::parse(text, source);

@@ -139,6 +139,11 @@ class Communicator {
   bool enabled() const { return options_.disabled == Decline::kNone; }
   uint64_t table_hash() const { return table_.hash(); }
   const std::string& table_source() const { return table_.source(); }
+  // Installs, before any graph capture, every program the table can pick for an admitted
+  // message (each dtype at every row edge and at the LL capacity, the only sizes where a choice
+  // can change), so no call inside a capture installs one. Returns the programs installed.
+  // Like a call, it must not run concurrently with one.
+  int prepare();
   // Replaces the tuning table (the tuner, and a cache adopted after construction). Collective
   // in effect: every rank must install the same table between the same two calls, or their
   // paths part (the caller compares hashes). Throws TableError, keeping the old table, when the

@@ -7,13 +7,14 @@ so the result is always the correct sum. Construction and ``destroy()`` are coll
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
 import os
 import socket
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -212,6 +213,7 @@ class PcieAllReduce:
             self._verify_p2p()
         self.handle = _C.register_communicator(self._comm)
         self._destroyed = False
+        self._captures = 0
         if self.rank == 0:
             logger.info("pcie_allreduce: tuning table: %s", self._table_source)
 
@@ -376,6 +378,7 @@ class PcieAllReduce:
     def stats(self) -> Dict[str, Any]:
         s = dict(self._comm.stats())
         s["table_source"] = self._table_source
+        s["captures"] = self._captures
         s["fingerprint"] = self._fingerprint
         s["workspace_bytes"] = self.workspace_bytes
         s["enabled"] = self.enabled
@@ -384,6 +387,45 @@ class PcieAllReduce:
 
     def failure(self) -> Optional[Dict[str, Any]]:
         return self._comm.failure()
+
+    # ------------------------------------------------------------------ before capture
+    def prepare(self, hidden: Optional[int] = None, max_rows: Optional[int] = None
+                ) -> Dict[str, Any]:
+        """Gets ready for graph capture: installs every program the table can pick for an
+        admitted message, so nothing is installed inside a capture. With ``hidden`` and
+        ``max_rows`` (decode batch x draft tokens), says once if the workspace (fixed at
+        construction) is smaller than that, in which case the larger messages go to the
+        fallback. Returns ``{"max_numel", "programs", "rows_covered"}``."""
+        rows = None
+        if hidden is not None or max_rows is not None:
+            if hidden is None or max_rows is None:
+                raise ValueError("prepare(hidden, max_rows): give both or neither")
+            hidden, max_rows = _whole("hidden", hidden), _whole("max_rows", max_rows)
+            if hidden <= 0 or max_rows <= 0:
+                raise ValueError(f"prepare(hidden={hidden}, max_rows={max_rows}): expected "
+                                 "positive whole numbers")
+            rows = self.max_numel // hidden
+            if rows < max_rows and self.rank == 0 and self.enabled:
+                logger.warning(
+                    "pcie_allreduce: the workspace holds %d elements = %d rows of %d; batches "
+                    "of %d..%d rows go to the fallback (size it with max_numel or "
+                    "PCIE_ALLREDUCE_MAX_NUMEL)", self.max_numel, rows, hidden, rows + 1,
+                    max_rows)
+        return {"max_numel": self.max_numel, "programs": int(self._comm.prepare()),
+                "rows_covered": rows}
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Brackets an engine's CUDA-graph capture (vLLM's ``graph_capture()`` enters it):
+        prepares first, refuses ``tune()`` inside, and counts captured calls apart
+        (``stats()["captures"]``). Calls captured in a graph replay on the stream the graph is
+        launched on; ordering that stream is the caller's, as for any captured kernel."""
+        if getattr(self, "_destroyed", True):
+            raise RuntimeError("capture() on a destroyed PcieAllReduce")
+        self.prepare()
+        self._captures += 1
+        with tuning.autotune_pass("pcie_allreduce graph capture"):
+            yield
 
     # ------------------------------------------------------------------ tuning
     def tune(

@@ -1,0 +1,116 @@
+"""What the engine adapters share: which group is served, how big the workspace is, what
+deterministic mode pins, the warm-up before graph capture, and the closing stats line.
+
+Nothing here imports an engine: the adapters (``vllm.py``, ``sglang.py``) read the engine's
+configuration and pass plain values in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from .. import env as env_mod
+from ..errors import TuneError, TuneRefused
+
+logger = logging.getLogger("pcie_allreduce")
+
+TP_GROUP_NAME = "tp"  # exactly the engines' tensor-parallel group; never attention_tp, moe_tp
+DEFAULT_ROWS = 64  # the guess when an engine's decode batch cannot be read
+DEFAULT_HIDDEN = 8192
+WARMUP_TUNE_BUDGET_S = 60.0  # a first start on a host without a cache measures this long
+
+
+def enabled() -> bool:
+    """PCIE_ALLREDUCE_ENABLE=1 (only then do the integrations install anything)."""
+    return env_mod.integrations_enabled()
+
+
+def ineligible(group_name: Optional[str], world_size: int) -> Optional[str]:
+    """Why this engine group does not get a PcieAllReduce, or None."""
+    if group_name != TP_GROUP_NAME:
+        return f"group {group_name!r} is not the tensor-parallel group {TP_GROUP_NAME!r}"
+    if world_size < 2:
+        return "tensor-parallel world size 1: nothing to reduce"
+    return None
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The workspace size in elements and how it was found (for the one log line)."""
+
+    max_numel: int
+    how: str
+    guessed: bool = False
+
+
+def size_workspace(engine: str, *, max_bs: Optional[int], draft_tokens: Optional[int],
+                   hidden: Optional[int]) -> Sizing:
+    """PCIE_ALLREDUCE_MAX_NUMEL wins; else decode CUDA-graph max batch x draft tokens (1
+    without speculation) x hidden; else a guess, announced in one warning."""
+    explicit = env_mod.read_env().max_numel
+    if explicit is not None:
+        return Sizing(explicit, f"PCIE_ALLREDUCE_MAX_NUMEL={explicit}")
+    draft = draft_tokens if draft_tokens and draft_tokens > 0 else 1
+    if max_bs and hidden and max_bs > 0 and hidden > 0:
+        numel = _round_up8(max_bs * draft * hidden)
+        return Sizing(numel, f"{engine}: decode max batch {max_bs} x {draft} token(s) x hidden "
+                      f"{hidden} = {numel} elements")
+    rows, width = DEFAULT_ROWS, hidden if hidden and hidden > 0 else DEFAULT_HIDDEN
+    numel = _round_up8(rows * width)
+    missing = " and ".join(n for n, v in (("the decode max batch", max_bs), ("the hidden size",
+                                                                             hidden)) if not v)
+    how = (f"{engine}: could not read {missing}; guessing {rows} rows x {width} hidden = {numel} "
+           "elements (set PCIE_ALLREDUCE_MAX_NUMEL to size it)")
+    logger.warning("pcie_allreduce: %s", how)
+    return Sizing(numel, how, guessed=True)
+
+
+def _round_up8(n: int) -> int:
+    return (int(n) + 7) // 8 * 8
+
+
+def deterministic_table(transport: str) -> str:
+    """One tactic for every admitted size: oneshot sums every rank's input in rank order for
+    each element whatever the message size, so a token's logits do not depend on the batch it
+    was decoded in. (Sizes above the workspace still go to the engine's NCCL path.)"""
+    blocks, threads = (1, 32) if transport == "host" else (8, 256)
+    return f"*,*,*,0,*,oneshot,push,0,{blocks},{threads}\n"
+
+
+def warm_up(ar: Any, *, engine_autotune_disabled: bool, hidden: Optional[int] = None,
+            max_rows: Optional[int] = None) -> Dict[str, Any]:
+    """Before graph capture and outside any engine autotune pass: tunes once when this host has
+    no cache (unless the engine's or our disable-autotune flag is set, or the table was given),
+    then installs every program a captured call could need."""
+    outcome: Dict[str, Any] = {"tuned": False}
+    source = ar.stats()["table_source"]
+    if not ar.enabled:
+        outcome["why_not_tuned"] = f"disabled ({ar.disabled_reason})"
+    elif engine_autotune_disabled:
+        outcome["why_not_tuned"] = "the engine's autotune is disabled"
+    elif not (source.startswith("cache ") or source == "embedded seed table"):
+        outcome["why_not_tuned"] = f"a table was given ({source})"
+    else:
+        try:
+            report = ar.tune(max_bytes=ar.max_numel * 2, budget_s=WARMUP_TUNE_BUDGET_S)
+            outcome.update(tuned=report["status"] == "tuned", measured=report["measured"],
+                           path=report["path"])
+        except TuneRefused as error:
+            outcome["why_not_tuned"] = str(error)
+        except TuneError as error:
+            logger.warning("pcie_allreduce: warm-up tune failed, keeping %s: %s", source, error)
+            outcome["why_not_tuned"] = str(error)
+    outcome.update(ar.prepare(hidden, max_rows))
+    return outcome
+
+
+def summary_line(ar: Any, group: str = TP_GROUP_NAME) -> str:
+    """One line an operator reads at shutdown: did the kernels run, and if not, why not."""
+    s = ar.stats()
+    calls = ", ".join(f"{k} {v}" for k, v in sorted(s["calls"].items())) or "none"
+    declines = ", ".join(f"{k} {v}" for k, v in sorted(s["declines"].items())) or "none"
+    state = "enabled" if s["enabled"] else f"disabled ({s['disabled_reason']})"
+    return (f"pcie_allreduce[{group} rank {ar.rank}/{ar.world_size}]: {state}; calls: {calls}; "
+            f"declines: {declines}; staged {s['staged']}; table: {s['table_source']}")
