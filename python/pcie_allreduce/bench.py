@@ -280,7 +280,7 @@ def _tune_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: 
 
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(message)s")
-    elem = DTYPES[opts["dtypes"][0]].itemsize
+    elem = min(DTYPES[d].itemsize for d in opts["dtypes"])  # room for max_bytes of each
     max_numel = max(8, opts["max_bytes"] // elem // 8 * 8)
     r = _set_up(rank, world, port, opts, max_numel)
     try:

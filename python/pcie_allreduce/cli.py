@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--transport", choices=["auto", "host", "cuda"], default="auto")
     u.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, or 2 on host)")
     u.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], action="append",
-                   help="dtype to tune (repeat for several; default bf16)")
+                   help="dtype to tune (repeat for several; default: bf16, fp16 and fp32)")
     u.add_argument("--max-bytes", type=_parse_bytes, default=_parse_bytes("256K"),
                    help="largest message tuned (default 256K); larger ones keep the seed's rows")
     u.add_argument("--budget", type=float, default=120.0, help="seconds for the whole tune")
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     def run_tune(args: argparse.Namespace) -> int:
         from .bench import tune_main
 
-        args.dtype = args.dtype or ["bf16"]
+        args.dtype = args.dtype or ["bf16", "fp16", "fp32"]
         return tune_main(args)
 
     u.set_defaults(func=run_tune)

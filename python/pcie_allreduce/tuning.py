@@ -581,7 +581,7 @@ def _refusal(ar: Any) -> Optional[str]:
 def _check_arguments(ar: Any, dtypes: Optional[Sequence[str]], max_bytes: Optional[int],
                      budget_s: float) -> List[str]:
     """The dtypes to tune; a bad argument raises on this rank before any exchange."""
-    chosen = list(dtypes) if dtypes is not None else list(ar._dtypes[:1])
+    chosen = list(dtypes) if dtypes is not None else list(ar._dtypes)
     unknown = [d for d in chosen if d not in ar._dtypes]
     if not chosen or unknown:
         raise ValueError(f"tune(dtypes={dtypes!r}): expected a non-empty subset of the "
@@ -651,6 +651,8 @@ def tune(ar: Any, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional
          ) -> Dict[str, Any]:
     """Measures this host and writes its cache (collective: call on every rank).
 
+    ``dtypes`` defaults to every dtype the communicator admits: an admitted dtype left on the
+    seed's guesses is how a tuner ends up tuning bf16 while serving fp16.
     Without ``force``, a valid cache for this host is loaded and nothing is measured
     (``measured`` is 0 and ``status`` is ``cached``). Returns a report: ``measured`` (bucket,
     tactic pairs timed), ``path`` (the cache file), ``status``, ``choices`` (per bucket: the

@@ -109,7 +109,8 @@ def test_tune_writes_the_cache_and_a_second_run_measures_nothing(tmp_path):
     assert data["status"] == "tuned" and data["measured"] > 0
     assert f"# measured {data['measured']} (bucket, tactic) pairs" in first.stdout
     # Every bucket's row, the incumbent and the chosen tactic with their times.
-    assert [c["bytes"] for c in data["choices"]] == [1024, 2048, 4096]
+    assert [(c["dtype"], c["bytes"]) for c in data["choices"]] == [
+        (d, b) for d in ("bf16", "fp16", "fp32") for b in (1024, 2048, 4096)]
     for c in data["choices"]:
         assert f"{c['bytes']:>9}" in first.stdout and c["winner"] in first.stdout
     second = run_cli_env(env, *args)

@@ -28,14 +28,16 @@ def _tune_and_reopen(rank: int, world: int, cache_dir: str, force: bool) -> Dict
     report = ar.tune(force=force, **QUICK)
     choices = {}
     for c in report["choices"]:
-        x = torch.ones(c["bytes"] // DTYPES[c["dtype"]].itemsize, dtype=torch.bfloat16)
-        choices[c["bytes"]] = ar.chosen_tactic(x)
-        assert choices[c["bytes"]] == c["winner"], (choices, c)
+        dtype = DTYPES[c["dtype"]]
+        x = torch.ones(c["bytes"] // dtype.itemsize, dtype=dtype)
+        choices[c["dtype"], c["bytes"]] = ar.chosen_tactic(x)
+        assert choices[c["dtype"], c["bytes"]] == c["winner"], (choices, c)
         assert torch.equal(ar.all_reduce(x * (rank + 1)), x * world * (world + 1) / 2)
     ar.destroy()
     again = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
-    reopened = {b: again.chosen_tactic(torch.ones(b // 2, dtype=torch.bfloat16))
-                for b in choices}
+    reopened = {(d, b): again.chosen_tactic(torch.ones(b // DTYPES[d].itemsize,
+                                                       dtype=DTYPES[d]))
+                for d, b in choices}
     stats = again.stats()
     again.destroy()
     return {"report": report, "before": before, "choices": choices, "reopened": reopened,
@@ -56,9 +58,12 @@ def test_a_tune_writes_a_cache_the_next_communicator_loads_without_measuring(tmp
     text = path.read_text()
     assert text.startswith("# pcie_allreduce tuning cache\n") and "# checksum " in text
     assert f"# measured: {report['measured']} " in text
-    # Measured times are kept as extra columns for every tuned bucket.
-    rows = [line for line in text.splitlines() if line.startswith("host,2,bf16,")]
-    assert len(rows) == len(report["choices"]) >= 3
+    # Every admitted dtype is tuned (not only bf16), and the measured times are kept as extra
+    # columns for every tuned bucket.
+    assert {c["dtype"] for c in report["choices"]} == {"bf16", "fp16", "fp32"}
+    rows = [line for line in text.splitlines()
+            if line.startswith("host,2,") and line.split(",")[2] != "*"]
+    assert len(rows) == len(report["choices"]) >= 9
     assert all(len(row.split(",")) == 16 for row in rows)
 
 
@@ -95,7 +100,8 @@ def _tune_twice(rank: int, world: int, cache_dir: str) -> List[Dict[str, Any]]:
     for attempt in range(2):
         tuning.synthetic_timer = _synthetic_costs(rank, attempt)
         ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
-        report = ar.tune(force=True, max_bytes=8192, budget_s=20.0, progress=False)
+        report = ar.tune(dtypes=["bf16"], force=True, max_bytes=8192, budget_s=20.0,
+                           progress=False)
         out.append({"winners": {c["bytes"]: c["winner"] for c in report["choices"]},
                     "incumbents": {c["bytes"]: c["incumbent"] for c in report["choices"]},
                     "edges": [(c["min_bytes"], c["max_bytes"]) for c in report["choices"]],
@@ -138,7 +144,7 @@ def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> Dict[str, 
 
     tuning.synthetic_timer = _synthetic_costs(rank, 0)
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
-    ar.tune(force=True, max_bytes=8192, budget_s=5.0, progress=False)
+    ar.tune(dtypes=["bf16"], force=True, max_bytes=8192, budget_s=5.0, progress=False)
     path = tuning.cache_path(ar.stats()["fingerprint"])
     ar.destroy()
     if rank == 0:
@@ -159,7 +165,7 @@ def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> Dict[str, 
     source = reopened.stats()["table_source"]
     sums_ok = bool(torch.equal(reopened.all_reduce(torch.ones(64) * (rank + 1)),
                                torch.full((64,), 3.0)))
-    retuned = reopened.tune(max_bytes=8192, budget_s=5.0, progress=False)
+    retuned = reopened.tune(dtypes=["bf16"], max_bytes=8192, budget_s=5.0, progress=False)
     reopened.destroy()
     tuning.synthetic_timer = None
     found = tuning.read_cache(path, retuned and reopened.stats()["fingerprint"])
@@ -248,7 +254,7 @@ def _table_disagreement(rank: int, world: int, cache_dir: str) -> Dict[str, Any]
 
     tuning.synthetic_timer = _synthetic_costs(rank, 0)
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
-    ar.tune(max_bytes=2048, budget_s=3.0, progress=False)
+    ar.tune(dtypes=["bf16"], max_bytes=2048, budget_s=3.0, progress=False)
     ar.destroy()
     # Rank 1 is handed the seed table explicitly; rank 0 finds the cache.
     table = "host,*,*,0,*,oneshot,push,0,1,32\n" if rank == 1 else None

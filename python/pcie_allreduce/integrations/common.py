@@ -94,7 +94,7 @@ def warm_up(ar: Any, *, engine_autotune_disabled: bool, hidden: Optional[int] = 
         outcome["why_not_tuned"] = f"a table was given ({source})"
     else:
         try:
-            report = ar.tune(max_bytes=ar.max_numel * 2, budget_s=WARMUP_TUNE_BUDGET_S)
+            report = ar.tune(budget_s=WARMUP_TUNE_BUDGET_S)
             outcome.update(tuned=report["status"] == "tuned", measured=report["measured"],
                            path=report["path"])
         except TuneRefused as error:
