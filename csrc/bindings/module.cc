@@ -347,6 +347,17 @@ void bind_communicator(py::module_& m) {
              if (!d) return py::none();
              return diagnostic_dict(*d, plan::describe_failure(*d, c.options().timeout_s));
            })
+      .def("restore_stats",
+           [](comm::Communicator& c, const std::map<std::string, int64_t>& calls,
+              const std::map<std::string, int64_t>& declines,
+              const std::vector<int64_t>& bytes_sent_per_peer, int64_t staged) {
+             comm::Stats s;
+             s.calls = calls;
+             s.declines = declines;
+             s.bytes_sent_per_peer = bytes_sent_per_peer;
+             s.staged = staged;
+             c.restore_stats(s);
+           })
       .def("stats", [](const comm::Communicator& c) {
         const comm::Stats s = c.stats();
         py::dict out;

@@ -533,6 +533,24 @@ Stats Communicator::stats() const {
   return s;
 }
 
+void Communicator::restore_stats(const Stats& earlier) {
+  for (auto& [label, count] : calls_) {  // entries stay: decisions point at them
+    const auto it = earlier.calls.find(label);
+    count = it == earlier.calls.end() ? 0 : it->second;
+  }
+  declines_.fill(0);
+  for (const auto& [name, count] : earlier.declines) {
+    declines_[static_cast<size_t>(parse_decline(name))] = count;
+  }
+  for (size_t i = 0; i < declines_.size(); ++i) {
+    decline_logged_[i] = declines_[i] > 0;  // the first real decline of a reason is still said
+  }
+  if (earlier.bytes_sent_per_peer.size() == bytes_sent_.size()) {
+    bytes_sent_ = earlier.bytes_sent_per_peer;
+  }
+  staged_ = earlier.staged;
+}
+
 uint64_t Communicator::layout_hash() const {
   return workspace_ ? plan::layout_hash(workspace_->layout()) : 0;
 }

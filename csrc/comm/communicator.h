@@ -135,6 +135,9 @@ class Communicator {
   void release();      // step 2, after a barrier
 
   Stats stats() const;
+  // Puts every counter back to an earlier stats(): the tuner's measurement calls are not
+  // service, and an operator reading stats() must not see them.
+  void restore_stats(const Stats& earlier);
   const Options& options() const { return options_; }
   bool enabled() const { return options_.disabled == Decline::kNone; }
   uint64_t table_hash() const { return table_.hash(); }

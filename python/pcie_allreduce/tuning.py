@@ -660,6 +660,17 @@ def tune(ar: Any, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional
     dtypes = _check_arguments(ar, dtypes, max_bytes, budget_s)
     _agree_to_tune(ar)
     started = time.perf_counter()
+    counts = ar._comm.stats()
+    try:
+        return _tune_locked(ar, dtypes, max_bytes, budget_s, force, progress, started)
+    finally:  # the measurement calls are not service: stats() shows only the engine's calls
+        ar._comm.restore_stats(counts["calls"], counts["declines"],
+                               counts["bytes_sent_per_peer"], counts["staged"])
+
+
+def _tune_locked(ar: Any, dtypes: List[str], max_bytes: Optional[int], budget_s: float,
+                 force: bool, progress: Optional[bool], started: float) -> Dict[str, Any]:
+    """tune() under the cache lock: load a valid cache (unless forced) or measure."""
     path = cache_path(ar._fingerprint)
     lock = _lock_cache(ar, path, wait_s=max(budget_s * 2, ar.timeout_s))
     try:

@@ -25,7 +25,9 @@ def _tune_and_reopen(rank: int, world: int, cache_dir: str, force: bool) -> Dict
 
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
     before = ar.stats()["table_source"]
+    ar.all_reduce(torch.ones(64))  # one service call before the tune
     report = ar.tune(force=force, **QUICK)
+    after_tune = ar.stats()
     choices = {}
     for c in report["choices"]:
         dtype = DTYPES[c["dtype"]]
@@ -41,7 +43,7 @@ def _tune_and_reopen(rank: int, world: int, cache_dir: str, force: bool) -> Dict
     stats = again.stats()
     again.destroy()
     return {"report": report, "before": before, "choices": choices, "reopened": reopened,
-            "stats": stats}
+            "stats": stats, "after_tune": after_tune}
 
 
 def test_a_tune_writes_a_cache_the_next_communicator_loads_without_measuring(tmp_path, clean_shm):
@@ -51,6 +53,10 @@ def test_a_tune_writes_a_cache_the_next_communicator_loads_without_measuring(tmp
     path = Path(report["path"])
     assert path.parent == tmp_path and path.name == f"{res[0]['stats']['fingerprint']}.csv"
     assert "seed" in res[0]["before"]
+    # The thousands of measurement calls are not service: stats() shows the one real call.
+    for r in res:
+        assert sum(r["after_tune"]["calls"].values()) == 1 and r["after_tune"]["declines"] == {}
+        assert r["after_tune"]["staged"] == 0
     # Every rank chose the same, and a new communicator on the same host uses the cache.
     assert res[0]["choices"] == res[1]["choices"] == res[0]["reopened"] == res[1]["reopened"]
     for r in res:
