@@ -1,0 +1,384 @@
+"""SGLang integration: a :class:`PcieAllReduce` in the tensor-parallel group's PCIe-IPC slot.
+
+SGLang (>= 0.5.23) already dispatches to a PCIe-IPC all-reduce: ``GroupCoordinator`` holds
+``pcie_ipc_comm``, ``_resolve_outplace_all_reduce_method`` asks it (after the custom
+all-reduce, which wins on NVLink hosts) with ``should_pcie_ipc_ar(t)``, ``_all_reduce_out_place``
+calls ``pcie_ipc_all_reduce(t)`` for a new tensor, the model runner calls
+``prepare(hidden=, max_rows=)`` before graph capture and ``destroy()`` runs before the process
+groups are destroyed. This module fills that slot and patches nothing else:
+
+* **Installed by** SGLang's plugin loader (entry point ``sglang.srt.plugins`` ->
+  :func:`register`), which does nothing unless ``PCIE_ALLREDUCE_ENABLE=1``. Enabled, it
+  registers an AFTER hook on ``GroupCoordinator.__init__`` with SGLang's ``HookRegistry``.
+* **Which group**: only the one named exactly ``tp`` with world size > 1
+  (``common.ineligible``); ``attention_tp``, ``moe_tp``, ``pdmux_prefill_tp`` get nothing. The
+  communicator turns itself off on NVLink hosts and across hosts.
+* **Both flags**: with SGLang's own ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE`` also set, the explicit
+  ``PCIE_ALLREDUCE_ENABLE=1`` wins: SGLang's communicator (its workspace is still unbuilt then)
+  is destroyed and one line on group rank 0 says so.
+* **When it is built**: the workspace needs the hidden size, which the group does not know when
+  it is made, so the communicator is built (collectively) in ``prepare(hidden, max_rows)``,
+  which SGLang's runner calls on every rank before graph capture; without a ``prepare``, on the
+  first reduction SGLang offers (every rank offers the same reductions in the same order) with
+  that tensor's last dimension as the hidden size, never inside a graph capture.
+* **Sizing**: ``PCIE_ALLREDUCE_MAX_NUMEL`` > decode CUDA-graph ``max_bs`` x draft tokens (when
+  a speculative algorithm is set) x hidden from SGLang's published config > ``max_rows`` from
+  ``prepare`` x hidden > the announced guess (``common.size_workspace``). One line says which.
+* **Warm-up**: ``prepare`` runs ``common.warm_up``: one tune when this host has no cache (unless
+  ``--disable-flashinfer-autotune`` or ``PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1``), then installs every
+  program a captured call could need.
+* **Graph capture**: SGLang's ``graph_capture()`` has no PCIe-IPC hook, so every decision checks
+  whether the current CUDA stream is capturing (a no-op for CPU tensors): before the
+  communicator exists it declines (``not_prepared``, warned once) rather than build inside a
+  capture; after, it brackets the capture in ``PcieAllReduce.capture()`` (programs already
+  installed, no tuning inside, ``stats()["captures"]`` counts it), left at the first decision
+  made outside a capture. Calls on the capture stream and the replay stream are ordered by the
+  communicator itself.
+* **Deterministic inference**: SGLang's own rule for deterministic collectives
+  (``GroupCoordinator._deterministic_collectives_enabled()``: ``SGLANG_USE_1STAGE_ALLREDUCE``
+  when set, else ``SGLANG_ENABLE_DETERMINISTIC_INFERENCE``), and when the former is unset also
+  the published ``exec.deterministic.enable_deterministic_inference``. Then the table is
+  ``common.deterministic_table``: oneshot at every admitted size.
+* **Shutdown**: ``destroy()`` logs ``common.summary_line`` once (its declines include the
+  slot's: reductions SGLang offered that stayed on its own path) and destroys the communicator
+  while the process groups still live (SGLang calls it first in ``GroupCoordinator.destroy``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from . import common
+
+logger = logging.getLogger("pcie_allreduce")
+
+HOOK_TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
+UPSTREAM_FLAG = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
+NOT_PREPARED = "not_prepared"  # a capture reached the slot before the communicator was built
+
+_registered = False
+
+
+def register() -> None:
+    """SGLang's ``sglang.srt.plugins`` entry point (``load_plugins()`` calls it in every
+    process, then applies the registered hooks). Does nothing unless PCIE_ALLREDUCE_ENABLE=1."""
+    global _registered
+    if _registered or not common.enabled():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGET, _after_group_init, HookType.AFTER)
+    _registered = True
+
+
+def _after_group_init(result: Any, coordinator: Any, *args: Any, **kwargs: Any) -> None:
+    """Runs after every ``GroupCoordinator.__init__``: fills ``pcie_ipc_comm`` of ``tp``."""
+    name = _group_name(coordinator, args, kwargs)
+    why_not = common.ineligible(name, int(coordinator.world_size))
+    if why_not is not None:
+        logger.debug("pcie_allreduce: no communicator for %s: %s", coordinator.unique_name,
+                     why_not)
+        return None
+    if isinstance(coordinator.pcie_ipc_comm, SglangPcieAllReduce):
+        return None
+    from .. import env as env_mod
+
+    env_mod.read_env()  # a malformed PCIE_ALLREDUCE_* flag fails here, on every rank alike
+    theirs = coordinator.pcie_ipc_comm
+    ours = SglangPcieAllReduce(coordinator)
+    if theirs is not None or _upstream_flag_set():
+        _take_over_from_upstream(coordinator, theirs)
+    coordinator.pcie_ipc_comm = ours
+    return None
+
+
+def _group_name(coordinator: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+    """The ``group_name`` the coordinator was built with (keyword or positional)."""
+    init = type(coordinator).__init__
+    try:
+        bound = inspect.signature(init).bind(coordinator, *args, **kwargs)
+    except TypeError:
+        return kwargs.get("group_name")
+    return bound.arguments.get("group_name")
+
+
+def _upstream_flag_set() -> bool:
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_ENABLE_PCIE_IPC_ALLREDUCE.get())
+
+
+def _take_over_from_upstream(coordinator: Any, theirs: Any) -> None:
+    """Both backends were asked for: ours owns the slot; theirs, if SGLang built it (its
+    workspace is built lazily, so nothing collective has happened yet), is destroyed."""
+    if theirs is not None:
+        theirs.destroy()
+        fate = f"SGLang's {type(theirs).__name__} was destroyed"
+    elif coordinator._deterministic_collectives_enabled():
+        fate = "SGLang did not build its own (deterministic inference keeps it off)"
+    else:
+        fate = "SGLang did not build its own"
+    if coordinator.rank_in_group == 0:
+        logger.warning(
+            "pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 and %s=1 both ask for the %s PCIe-IPC "
+            "all-reduce slot; pcie_allreduce owns it (the explicit PCIE_ALLREDUCE_ENABLE=1 "
+            "wins); %s", UPSTREAM_FLAG, coordinator.unique_name, fate)
+
+
+# ---------------------------------------------------------------------------- SGLang's config
+def _read_config(path: str, read: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
+    """(value, None), or (None, why not): SGLang's accessors raise ValueError until the server
+    args are published; an AttributeError means this SGLang lays its config out differently
+    from the one these paths were pinned against, which is said (a warning naming the path)."""
+    try:
+        return read(), None
+    except ValueError as error:
+        return None, f"SGLang's config is not published ({error})"
+    except AttributeError as error:
+        logger.warning("pcie_allreduce: cannot read SGLang's %s (%s); going on without it",
+                       path, error)
+        return None, f"SGLang's config has no {path}"
+
+
+def _decode_width() -> Tuple[Optional[int], Optional[int], str]:
+    """(decode CUDA-graph max batch, draft tokens per request or None, where they came from)
+    from SGLang's published config; (None, None, why) before it is published."""
+    from sglang.srt.runtime_context import get_exec, get_spec
+
+    graphs, problem = _read_config("get_exec().graph.cuda_graph_config",
+                                   lambda: get_exec().graph.cuda_graph_config)
+    if problem:
+        return None, None, problem
+    max_bs, problem = _read_config("cuda_graph_config.decode.max_bs",
+                                   lambda: graphs.decode.max_bs if graphs is not None else None)
+    spec, spec_problem = _read_config("get_spec()", get_spec)
+    draft = None
+    if spec is not None and spec.speculative_algorithm:
+        # Adaptive speculation may widen later: the launch-time capacity SGLang publishes
+        # next to the active width bounds it.
+        bounds = [spec.speculative_num_draft_tokens]
+        if "max_speculative_num_draft_tokens" in spec:
+            bounds.append(spec.max_speculative_num_draft_tokens)
+        draft = max((b for b in bounds if b), default=None)
+    if not max_bs:
+        return None, draft, problem or "SGLang's config has no decode CUDA-graph max batch"
+    return max_bs, draft, spec_problem or "SGLang's config"
+
+
+def _deterministic(engine_rule_fn: Callable[[], bool]) -> Tuple[bool, str]:
+    """Whether this group's reductions must not depend on the batch, and why.
+    ``engine_rule_fn`` is ``GroupCoordinator._deterministic_collectives_enabled``."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_exec
+
+    engine_rule = bool(engine_rule_fn())
+    if envs.SGLANG_USE_1STAGE_ALLREDUCE.is_set():
+        return engine_rule, f"SGLANG_USE_1STAGE_ALLREDUCE={int(engine_rule)}"
+    if engine_rule:
+        return True, "SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1"
+    published, _ = _read_config("get_exec().deterministic.enable_deterministic_inference",
+                                lambda: get_exec().deterministic.enable_deterministic_inference)
+    return bool(published), "--enable-deterministic-inference" if published else "off"
+
+
+def _engine_autotune_disabled() -> bool:
+    from sglang.srt.runtime_context import get_exec
+
+    disabled, _ = _read_config("get_exec().kernel.disable_flashinfer_autotune",
+                               lambda: get_exec().kernel.disable_flashinfer_autotune)
+    return bool(disabled)
+
+
+def _stream_capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never for the CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------------- the slot
+class SglangPcieAllReduce:
+    """What SGLang's ``GroupCoordinator.pcie_ipc_comm`` holds: the API of SGLang's own
+    ``PcieIpcCommunicator`` (``disabled``, ``should_pcie_ipc_ar``, ``pcie_ipc_all_reduce``,
+    ``prepare``, ``destroy``) over one :class:`PcieAllReduce`, plus ``stats()``."""
+
+    def __init__(self, coordinator: Any) -> None:
+        self.group_name = common.TP_GROUP_NAME
+        self.rank = int(coordinator.rank_in_group)
+        self.world_size = int(coordinator.world_size)
+        self.device = torch.device(coordinator.device)
+        # CPU tensors: the host transport over the gloo group. GPUs: the device (NCCL) group,
+        # whose all-reduce is the fallback, and the gloo group for the bootstrap.
+        cpu_group = coordinator.cpu_group
+        self._group = cpu_group if self.device.type == "cpu" else coordinator.device_group
+        self._cpu_group = cpu_group
+        self._engine_deterministic = type(coordinator)._deterministic_collectives_enabled
+        self.max_numel = 0
+        self.sizing: Optional[common.Sizing] = None
+        self.deterministic: Optional[str] = None
+        self.warm_up_outcome: Optional[Dict[str, Any]] = None
+        self._ar: Any = None
+        self._failed: Optional[str] = None
+        self._destroyed = False
+        self._capture: Optional[contextlib.ExitStack] = None
+        self._declines: Dict[str, int] = {}
+
+    # ------------------------------------------------------------------ SGLang's API
+    @property
+    def disabled(self) -> bool:
+        """SGLang skips the slot when True. Before the communicator exists it is False, so
+        the first reduction offered can build it."""
+        if self._destroyed or self._failed is not None:
+            return True
+        return self._ar is not None and not self._ar.enabled
+
+    def prepare(self, hidden: Optional[int] = None, max_rows: Optional[int] = None
+                ) -> Dict[str, Any]:
+        """Called by SGLang's runner on every rank before graph capture (collective): builds
+        the communicator if needed, tunes once on a host without a cache, installs every
+        program a captured call could need. Returns the warm-up outcome."""
+        if self._destroyed:
+            raise RuntimeError("prepare() on a destroyed pcie_allreduce slot")
+        if self._failed is None and self._ar is None:
+            self._build(hidden, max_rows)
+        if self._ar is None:  # the build failed here or earlier (said once, when it did)
+            return {"tuned": False, "why_not_tuned": f"not built ({self._failed})"}
+        rows = max_rows or self._rows_from_config()
+        ready = (hidden, rows) if hidden and rows else (None, None)
+        self.warm_up_outcome = common.warm_up(
+            self._ar, engine_autotune_disabled=_engine_autotune_disabled(), hidden=ready[0],
+            max_rows=ready[1])
+        return self.warm_up_outcome
+
+    def should_pcie_ipc_ar(self, inp: torch.Tensor) -> bool:
+        """Whether ``inp`` goes to the kernels (else SGLang takes its own path)."""
+        capturing = _stream_capturing(inp.device)
+        if self._ar is None:
+            if self.disabled:
+                return False
+            if capturing:
+                self._declined(NOT_PREPARED, inp)
+                return False
+            if not self._build(int(inp.shape[-1]) if inp.dim() else None, None):
+                return False
+            self._ar.prepare()
+        self._bracket_capture(capturing)
+        reason = self._ar.decline_reason(inp)
+        if reason is not None:
+            self._declined(reason, inp)
+            return False
+        return True
+
+    def pcie_ipc_all_reduce(self, inp: torch.Tensor) -> torch.Tensor:
+        """The sum of ``inp`` over the group, in a new tensor."""
+        return self._ar.all_reduce(inp)
+
+    def destroy(self) -> None:
+        """Before SGLang destroys the process groups (collective, idempotent): logs the
+        summary line once and frees the workspace."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._bracket_capture(False)
+        if self._ar is None:
+            logger.info("pcie_allreduce[%s rank %d/%d]: never built (%s)", self.group_name,
+                        self.rank, self.world_size,
+                        self._failed or "no prepare() and no reduction reached it")
+            return
+        line = common.summary_line(self, self.group_name)
+        (logger.info if self._ar.enabled else logger.warning)("%s", line)
+        self._ar.destroy()
+
+    # ------------------------------------------------------------------ ours
+    def stats(self) -> Dict[str, Any]:
+        """``PcieAllReduce.stats()`` with the slot's own declines added (reductions SGLang
+        offered that stayed on its path), the sizing line, the deterministic rule and the
+        warm-up outcome."""
+        if self._ar is not None:
+            s = self._ar.stats()
+        else:
+            s = {"calls": {}, "declines": {}, "staged": 0, "captures": 0,
+                 "table_source": "none (not built)", "enabled": False,
+                 "disabled_reason": self._failed or "not built yet"}
+        declines = dict(s.get("declines", {}))
+        for reason, count in self._declines.items():
+            declines[reason] = declines.get(reason, 0) + count
+        s["declines"] = declines
+        s["max_numel"] = self.max_numel
+        s["sizing"] = self.sizing.how if self.sizing else None
+        s["deterministic"] = self.deterministic
+        s["warm_up"] = self.warm_up_outcome
+        return s
+
+    @property
+    def communicator(self) -> Any:
+        """The PcieAllReduce, once built."""
+        return self._ar
+
+    # ------------------------------------------------------------------ internals
+    def _rows_from_config(self) -> Optional[int]:
+        max_bs, draft, _ = _decode_width()
+        return max_bs * (draft or 1) if max_bs else None
+
+    def _build(self, hidden: Optional[int], max_rows: Optional[int]) -> bool:
+        """Builds the communicator (collective: every rank gets here at the same call)."""
+        from ..communicator import PcieAllReduce
+
+        max_bs, draft, source = _decode_width()
+        if not max_bs and max_rows:  # the runner's rows already count draft tokens
+            max_bs, draft, source = max_rows, None, f"prepare(max_rows={max_rows}); {source}"
+        sizing = common.size_workspace("sglang", max_bs=max_bs, draft_tokens=draft,
+                                       hidden=hidden)
+        deterministic, why = _deterministic(self._engine_deterministic)
+        table = common.deterministic_table("cuda" if self.device.type == "cuda" else "host") \
+            if deterministic else None
+        try:
+            self._ar = PcieAllReduce(self._group, self.device, max_numel=sizing.max_numel,
+                                     table=table, cpu_group=self._cpu_group)
+        except Exception as error:  # the group keeps SGLang's own path; say why, once
+            self._failed = f"{type(error).__name__}: {error}"
+            logger.warning("pcie_allreduce: the %s communicator could not be built, so its "
+                           "reductions stay on SGLang's path: %s", self.group_name, self._failed)
+            return False
+        self.sizing, self.max_numel = sizing, sizing.max_numel
+        self.deterministic = f"on ({why}): oneshot at every size" if deterministic else \
+            f"off ({why})"
+        if self.rank == 0 and not sizing.guessed:  # a guess was already announced
+            logger.info("pcie_allreduce: %s workspace %d elements: %s (%s)", self.group_name,
+                        sizing.max_numel, sizing.how, source)
+        if self.rank == 0 and deterministic:
+            logger.info("pcie_allreduce: deterministic inference (%s): one oneshot tactic at "
+                        "every size", why)
+        return True
+
+    def _bracket_capture(self, capturing: bool) -> None:
+        """Enters PcieAllReduce.capture() at the first decision inside a graph capture and
+        leaves it at the first one outside (SGLang's graph_capture() has no hook for us)."""
+        if capturing and self._capture is None and self._ar is not None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._ar.capture())
+            self._capture = stack
+        elif not capturing and self._capture is not None:
+            stack, self._capture = self._capture, None
+            stack.close()
+
+    def _declined(self, reason: str, inp: torch.Tensor) -> None:
+        count = self._declines.get(reason, 0)
+        self._declines[reason] = count + 1
+        if count == 0 and self.rank == 0:
+            if reason == NOT_PREPARED:
+                logger.warning("pcie_allreduce: a %s graph capture reached the slot before "
+                               "prepare() built the communicator; captured reductions stay on "
+                               "SGLang's path", self.group_name)
+            else:
+                logger.info("pcie_allreduce: %s declines %s reductions (first: %s %s); they "
+                            "stay on SGLang's path", self.group_name, reason,
+                            tuple(inp.shape), inp.dtype)
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else repr(self._ar) if self._ar else \
+            f"not built ({self._failed or 'waiting for prepare()'})"
+        return f"SglangPcieAllReduce({self.group_name} rank {self.rank}/{self.world_size}, {state})"
