@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from . import _C
 from . import plan as plan_mod
 from . import tuning
+from .topology import run_nvidia_smi
 
 MAX_WORLD = 8  # the kernels serve groups of 2..8 ranks
 P2P_RANK_TIMEOUT_S = 60.0  # one rank's construction (gloo rendezvous, exchanges, the check)
@@ -160,14 +160,7 @@ class LiveSystem(System):
             return None
 
     def nvidia_smi(self, args: Sequence[str]) -> Optional[str]:
-        exe = shutil.which("nvidia-smi")
-        if exe is None:
-            return None
-        try:
-            done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout if done.returncode == 0 and done.stdout.strip() else None
+        return run_nvidia_smi(list(args))
 
     def cuda_device_names(self) -> List[str]:
         import torch

@@ -17,36 +17,29 @@ import torch
 from . import _C
 
 
-def nvidia_smi_topo_text() -> Optional[str]:
-    """`nvidia-smi topo -m` output, or None when nvidia-smi is missing or fails."""
+def run_nvidia_smi(args: List[str]) -> Optional[str]:
+    """stdout of ``nvidia-smi ARGS``, or None when nvidia-smi is missing, fails or prints
+    nothing."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
-        done = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 and done.stdout.strip() else None
 
 
+def nvidia_smi_topo_text() -> Optional[str]:
+    """`nvidia-smi topo -m` output, or None when nvidia-smi is missing or fails."""
+    return run_nvidia_smi(["topo", "-m"])
+
+
 def nvidia_smi_query(fields: str) -> List[List[str]]:
     """`nvidia-smi --query-gpu=FIELDS` rows in nvidia-smi's GPU order (the order of `topo -m`
     rows), each a list of stripped values; [] when nvidia-smi is missing or fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    try:
-        done = subprocess.run(
-            [exe, f"--query-gpu={fields}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if done.returncode != 0:
-        return []
-    return [[v.strip() for v in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+    out = run_nvidia_smi([f"--query-gpu={fields}", "--format=csv,noheader"]) or ""
+    return [[v.strip() for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
 def nvidia_smi_bus_ids() -> List[str]:

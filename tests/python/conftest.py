@@ -7,6 +7,7 @@ import atexit
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -14,6 +15,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared spawner
+from spawned_ranks import fail_on_errors, spawn_ranks  # noqa: E402
 
 SHM_PREFIX = "pcie_ar."
 
@@ -91,41 +95,12 @@ def run_ranks(
     Fails the test if any process hangs past `timeout` (it is killed) or, unless
     `allow_failures`, raises. Returns one result dict per rank ({"ok", "value"/"error"}).
     """
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, init_file, fn, args, env or {}, tmp))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        hung = []
-        import time
-
-        deadline = time.monotonic() + timeout
-        for r, p in enumerate(procs):
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                hung.append(r)
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        if hung:
-            pytest.fail(f"ranks {hung} hung past {timeout} s")
-        results = RankResults()
-        for r in range(world):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                results.append({"ok": False, "error": f"exit code {procs[r].exitcode}",
-                                "type": "Died", "traceback": "", "attrs": {}})
-                continue
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
+    results = RankResults(
+        r if isinstance(r, dict) else {"ok": False, "error": f"exit code {r}", "type": "Died",
+                                       "traceback": "", "attrs": {}}
+        for r in spawn_ranks(_entry, world, fn, args, env or {}, timeout))
     if not allow_failures:
-        for r, res in enumerate(results):
-            if not res["ok"]:
-                pytest.fail(f"rank {r} failed: {res['error']}\n{res['traceback']}")
+        fail_on_errors(results)
     return results
 
 

@@ -17,13 +17,15 @@ import faulthandler
 import logging
 import os
 import pickle
-import tempfile
-import time
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared spawner
+from spawned_ranks import fail_on_errors, spawn_ranks  # noqa: E402
 
 SHM_PREFIX = "pcie_ar."
 TIMEOUT_S = 300.0  # a shared 2-core machine: generous, and only ever reached by a hang
@@ -100,37 +102,11 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2,
     """fn(rank, world, *args) in `world` spawned processes joined by gloo; the test fails if a
     rank raises or hangs. Returns per rank {"value", "logs"}. ``env`` entries set to None are
     removed in the ranks."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        full_env = {**BASE_ENV, **(env or {})}
-        procs = [ctx.Process(target=_entry, args=(r, world, init_file, fn, args, full_env, tmp))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        hung = []
-        for r, p in enumerate(procs):
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                hung.append(r)
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        if hung:
-            pytest.fail(f"ranks {hung} hung past {TIMEOUT_S} s")
-        results = []
-        for r in range(world):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                pytest.fail(f"rank {r} died (exit code {procs[r].exitcode})")
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
+    results = spawn_ranks(_entry, world, fn, args, {**BASE_ENV, **(env or {})}, TIMEOUT_S)
     for r, res in enumerate(results):
-        if not res["ok"]:
-            pytest.fail(f"rank {r} failed: {res['error']}\n{res['traceback']}")
+        if not isinstance(res, dict):
+            pytest.fail(f"rank {r} died (exit code {res})")
+    fail_on_errors(results)
     return results
 
 

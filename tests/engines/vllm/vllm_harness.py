@@ -12,14 +12,13 @@ import json
 import logging
 import os
 import pickle
-import tempfile
-import time
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-import pytest
-import torch.multiprocessing as mp
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared spawner
+from spawned_ranks import fail_on_errors, spawn_ranks  # noqa: E402
 
 SHM_PREFIX = "pcie_ar."
 CUDA_COMMUNICATOR = "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
@@ -251,35 +250,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, env: Optional[Dict
     rank hangs past `timeout` (it is killed) or raises. Returns one result dict per rank."""
     full = dict(OUR_ENV) if our_env else {}
     full.update(env or {})
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(r, world, init_file, fn, args, full, tmp))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-            SPAWNED_PIDS.append(p.pid)
-        deadline = time.monotonic() + timeout
-        hung = []
-        for r, p in enumerate(procs):
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                hung.append(r)
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        if hung:
-            pytest.fail(f"ranks {hung} hung past {timeout} s")
-        results = RankResults()
-        for r in range(world):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                results.append({"ok": False, "error": f"exit code {procs[r].exitcode}",
-                                "type": "Died", "traceback": ""})
-                continue
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
-    for r, res in enumerate(results):
-        if not res["ok"]:
-            pytest.fail(f"rank {r} failed: {res['error']}\n{res['traceback']}")
+    results = RankResults(
+        r if isinstance(r, dict) else {"ok": False, "error": f"exit code {r}", "type": "Died",
+                                       "traceback": ""}
+        for r in spawn_ranks(_entry, world, fn, args, full, timeout, SPAWNED_PIDS.append))
+    fail_on_errors(results)
     return results
