@@ -15,6 +15,7 @@
 #include "plan/topology.h"
 #include "plan/tuning_table.h"
 #include "plan/verify.h"
+#include "transport/host_reduce.h"
 
 namespace py = pybind11;
 
@@ -211,6 +212,36 @@ void bind_schedules(py::module_& m) {
       },
       py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction") = "push",
       py::arg("staged") = false, py::arg("protocol") = "flag");
+  // The CPU reduce kernels (transport/host_reduce.h): process-wide, results identical.
+  m.def(
+      "host_reduce_isa",
+      [] { return std::string(transport::reduce_isa_name(transport::active_reduce_isa())); },
+      "The reduce kernels CPU all-reduces use now: scalar, avx2 or avx512.");
+  m.def(
+      "host_reduce_isas",
+      [] {
+        std::vector<std::string> names;
+        for (const auto isa : {transport::ReduceIsa::kScalar, transport::ReduceIsa::kAvx2,
+                               transport::ReduceIsa::kAvx512}) {
+          if (transport::reduce_isa_available(isa))
+            names.emplace_back(transport::reduce_isa_name(isa));
+        }
+        return names;
+      },
+      "The reduce kernels this CPU and build run, narrowest first.");
+  m.def(
+      "set_host_reduce_isa",
+      [](const std::string& name) {
+        const auto isa = transport::parse_reduce_isa(name);
+        if (!isa) {
+          throw std::invalid_argument("host reduce kernels must be scalar, avx2 or avx512, got '" +
+                                      name + "'");
+        }
+        transport::set_reduce_isa(*isa);
+      },
+      py::arg("name"),
+      "Chooses the reduce kernels of later CPU all-reduces in this process (ValueError when "
+      "this CPU does not run them).");
   m.def("algorithms", [] {
     std::vector<std::string> names;
     for (auto a : plan::kAllAlgorithms) names.emplace_back(plan::algorithm_name(a));

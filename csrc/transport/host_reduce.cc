@@ -1,9 +1,14 @@
+// The scalar reference reducer and the run-time choice among the reducers (host_reduce.h).
 #include "transport/host_reduce.h"
 
+#include <atomic>
 #include <bit>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "plan/layout.h"
+#include "transport/host_reduce_simd.h"
 
 namespace pcie_ar::transport {
 namespace {
@@ -67,6 +72,14 @@ struct Fp32Codec {
   static Bits from_float(float f) { return f; }
 };
 
+// A NaN sum becomes the canonical quiet NaN, as the GPU's adds make it: which operand's payload
+// an add keeps is the compiler's choice of operand order, so without this the result bits
+// would depend on the build.
+inline float canonical_nan(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  return std::bit_cast<float>((x & 0x7fffffffu) > 0x7f800000u ? kCanonicalNaN : x);
+}
+
 // dst[0, kElems) = sum of srcs in order, accumulated in fp32 and rounded once. Every source is
 // loaded before dst is stored, so dst may alias a source elementwise (in-place).
 template <typename Codec, int kElems>
@@ -80,7 +93,7 @@ inline void reduce_tile(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, 
     std::memcpy(lanes, srcs[s] + offset, sizeof(lanes));
     for (int i = 0; i < kElems; ++i) acc[i] += Codec::to_float(lanes[i]);
   }
-  for (int i = 0; i < kElems; ++i) lanes[i] = Codec::from_float(acc[i]);
+  for (int i = 0; i < kElems; ++i) lanes[i] = Codec::from_float(canonical_nan(acc[i]));
   std::memcpy(dst + offset, lanes, sizeof(lanes));
 }
 
@@ -101,7 +114,8 @@ void reduce_vectors(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int6
 
 }  // namespace
 
-ReduceFn reducer_for(plan::DType dtype) {
+namespace detail {
+ReduceFn scalar_reducer(plan::DType dtype) {
   switch (dtype) {
     case plan::DType::kBF16:
       return &reduce_vectors<Bf16Codec>;
@@ -112,5 +126,90 @@ ReduceFn reducer_for(plan::DType dtype) {
   }
   return nullptr;
 }
+}  // namespace detail
+
+std::string_view reduce_isa_name(ReduceIsa isa) {
+  switch (isa) {
+    case ReduceIsa::kScalar:
+      return "scalar";
+    case ReduceIsa::kAvx2:
+      return "avx2";
+    case ReduceIsa::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+std::optional<ReduceIsa> parse_reduce_isa(std::string_view name) {
+  for (const ReduceIsa isa : {ReduceIsa::kScalar, ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
+    if (name == reduce_isa_name(isa)) return isa;
+  }
+  return std::nullopt;
+}
+
+namespace {
+// Asked once: CPUID traps to the hypervisor in a VM, far too slow for every call.
+struct IsaSupport {
+  bool avx2 = detail::avx2_reducer(plan::DType::kFP32) != nullptr && detail::cpu_runs_avx2();
+  bool avx512 = detail::avx512_reducer(plan::DType::kFP32) != nullptr && detail::cpu_runs_avx512();
+};
+const IsaSupport& isa_support() {
+  static const IsaSupport support;
+  return support;
+}
+}  // namespace
+
+bool reduce_isa_available(ReduceIsa isa) {
+  switch (isa) {
+    case ReduceIsa::kScalar:
+      return true;
+    case ReduceIsa::kAvx2:
+      return isa_support().avx2;
+    case ReduceIsa::kAvx512:
+      return isa_support().avx512;
+  }
+  return false;
+}
+
+ReduceIsa best_reduce_isa() {
+  return reduce_isa_available(ReduceIsa::kAvx512) ? ReduceIsa::kAvx512
+         : reduce_isa_available(ReduceIsa::kAvx2) ? ReduceIsa::kAvx2
+                                                  : ReduceIsa::kScalar;
+}
+
+namespace {
+// -1: not chosen, use best_reduce_isa().
+std::atomic<int> chosen_isa{-1};
+}  // namespace
+
+ReduceIsa active_reduce_isa() {
+  const int chosen = chosen_isa.load(std::memory_order_relaxed);
+  return chosen < 0 ? best_reduce_isa() : static_cast<ReduceIsa>(chosen);
+}
+
+void set_reduce_isa(ReduceIsa isa) {
+  if (!reduce_isa_available(isa)) {
+    throw std::invalid_argument("the " + std::string(reduce_isa_name(isa)) +
+                                " reducer is not available on this CPU (or build); it runs " +
+                                std::string(reduce_isa_name(best_reduce_isa())) +
+                                " at best, scalar always");
+  }
+  chosen_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+ReduceFn reducer_for(plan::DType dtype, ReduceIsa isa) {
+  if (!reduce_isa_available(isa)) return nullptr;
+  switch (isa) {
+    case ReduceIsa::kScalar:
+      return detail::scalar_reducer(dtype);
+    case ReduceIsa::kAvx2:
+      return detail::avx2_reducer(dtype);
+    case ReduceIsa::kAvx512:
+      return detail::avx512_reducer(dtype);
+  }
+  return nullptr;
+}
+
+ReduceFn reducer_for(plan::DType dtype) { return reducer_for(dtype, active_reduce_isa()); }
 
 }  // namespace pcie_ar::transport

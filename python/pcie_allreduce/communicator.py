@@ -186,6 +186,12 @@ class PcieAllReduce:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_numel = resolve_max_numel(max_numel, hidden, max_rows)
         self.timeout_s = resolve_timeout(timeout_s, env.timeout_s)
+        if self.device.type == "cpu" and env.host_reduce is not None:
+            # Process-wide and rank-local: every kernel set gives the same bits.
+            try:
+                _C.set_host_reduce_isa(env.host_reduce)
+            except ValueError as e:
+                raise ValueError(f"PCIE_ALLREDUCE_HOST_REDUCE={env.host_reduce}: {e}") from None
         opts = self._options(env, table, dtypes, initial_generation)
         # Everything above is checked on this rank alone. Making a gloo group (when none is
         # given) is torch's collective and unbounded; every exchange after it is bounded.
@@ -212,6 +218,12 @@ class PcieAllReduce:
         if opts.transport == "cuda" and self._comm.enabled():
             self._verify_p2p()
         self.handle = _C.register_communicator(self._comm)
+        # The op overloads, looked up once: torch.ops attribute lookups cost about a
+        # microsecond per call, which is a third of a small CPU all-reduce.
+        ops = torch.ops.pcie_allreduce
+        self._op_out_of_place = ops.all_reduce.default
+        self._op_in_place = ops.all_reduce_.default
+        self._op_into = ops.all_reduce_into.default
         self._destroyed = False
         self._captures = 0
         if self.rank == 0:
@@ -383,6 +395,8 @@ class PcieAllReduce:
         s["workspace_bytes"] = self.workspace_bytes
         s["enabled"] = self.enabled
         s["disabled_reason"] = self.disabled_reason
+        if self.device.type == "cpu":
+            s["host_reduce"] = _C.host_reduce_isa()
         return s
 
     def failure(self) -> Optional[Dict[str, Any]]:
@@ -460,12 +474,14 @@ class PcieAllReduce:
         Raises PcieAllReduceTimeout (with the diagnostic) when a peer never arrived or
         disagreed about the call."""
         if out is None:
-            return torch.ops.pcie_allreduce.all_reduce(t, self.handle)
-        torch.ops.pcie_allreduce.all_reduce_into(t, self.handle, out)
+            return self._op_out_of_place(t, self.handle)
+        self._op_into(t, self.handle, out)
         return out
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        torch.ops.pcie_allreduce.all_reduce_(t, self.handle)
+        """In place: no allocation (the lightest call; CPU tensors wait for peers without the
+        GIL, like every torch op)."""
+        self._op_in_place(t, self.handle)
         return t
 
     def synchronize(self) -> None:

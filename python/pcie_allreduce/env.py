@@ -27,6 +27,9 @@ class Env:
     log_level: int
     # PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1: tune() refuses (a cache already written still loads).
     disable_autotune: bool = False
+    # PCIE_ALLREDUCE_HOST_REDUCE: the CPU reduce kernels (scalar, avx2, avx512); None: the
+    # widest this CPU runs. Results are bit-identical whichever runs; only speed differs.
+    host_reduce: Optional[str] = None
 
 
 def _flag(env: Mapping[str, str], name: str, default: Optional[bool]) -> Optional[bool]:
@@ -86,6 +89,21 @@ def _log_level(env: Mapping[str, str]) -> int:
     )
 
 
+_HOST_REDUCE = ("auto", "scalar", "avx2", "avx512")
+
+
+def _host_reduce(env: Mapping[str, str]) -> Optional[str]:
+    raw = env.get("PCIE_ALLREDUCE_HOST_REDUCE")
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value not in _HOST_REDUCE:
+        raise ValueError(
+            f"PCIE_ALLREDUCE_HOST_REDUCE must be one of {', '.join(_HOST_REDUCE)}, got {raw!r}"
+        )
+    return None if value == "auto" else value
+
+
 def integrations_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether the engine integrations may install themselves: PCIE_ALLREDUCE_ENABLE=1 only."""
     return read_env(env).enable is True
@@ -101,4 +119,5 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
         timeout_s=_timeout(env),
         log_level=_log_level(env),
         disable_autotune=bool(_flag(env, "PCIE_ALLREDUCE_DISABLE_AUTOTUNE", False)),
+        host_reduce=_host_reduce(env),
     )

@@ -11,6 +11,12 @@ def test_defaults():
     assert e.log_level == 1
 
 
+def test_host_reduce_names_the_kernels_or_auto():
+    assert read_env({}).host_reduce is None
+    assert read_env({"PCIE_ALLREDUCE_HOST_REDUCE": "auto"}).host_reduce is None
+    assert read_env({"PCIE_ALLREDUCE_HOST_REDUCE": " AVX2 "}).host_reduce == "avx2"
+
+
 def test_values_parse():
     e = read_env({
         "PCIE_ALLREDUCE_ENABLE": "1",
@@ -29,6 +35,7 @@ def test_values_parse():
         ("PCIE_ALLREDUCE_TIMEOUT_S", "-1", "seconds >= 0"),
         ("PCIE_ALLREDUCE_ENABLE", "maybe", "must be 1/0"),
         ("PCIE_ALLREDUCE_LOG_LEVEL", "loud", "0/1/2"),
+        ("PCIE_ALLREDUCE_HOST_REDUCE", "sse2", "one of auto, scalar, avx2, avx512, got 'sse2'"),
     ],
 )
 def test_bad_values_say_what_was_expected(name, value, expect):
