@@ -90,6 +90,7 @@ py::dict step_dict(const plan::Step& s) {
     };
     out["chunk"] = s.chunk;
     out["dst"] = buf(s.dst);
+    if (s.num_dsts == 2) out["dst2"] = buf(s.dst2);
     py::list srcs;
     for (int i = 0; i < s.num_srcs; ++i) srcs.append(buf(s.srcs[i]));
     out["srcs"] = srcs;

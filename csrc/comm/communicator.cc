@@ -232,9 +232,12 @@ Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& ta
                       tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol));
   auto it = programs_.find(key);
   if (it != programs_.end()) return *it->second;
-  const plan::Schedule schedule =
+  plan::Schedule schedule =
       plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, options_.world,
                            options_.island_of, tactic.protocol);
+  // The host executor writes a sum and its forwarded copy in one pass; the CUDA executor runs
+  // one destination per step (transport/cuda_ipc.cc says why).
+  if (workspace_->device() < 0) schedule = plan::fuse_forwarding_copies(std::move(schedule));
   const plan::Verification v = plan::verify(schedule);
   if (!v.ok) {  // the builders are proven in CI; refuse rather than run something unproven
     throw std::logic_error("schedule " + plan::tactic_label(tactic) +

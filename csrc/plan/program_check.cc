@@ -104,6 +104,14 @@ void check_reduce(const std::string& at, const Step& step, const Program& progra
   }
   check_ref(at, step.dst, true);
   for (int i = 0; i < step.num_srcs; ++i) check_ref(at, step.srcs[i], false);
+  if (step.num_dsts == 2) {
+    if (step.dst.space == Space::kLL || step.dst2.space == Space::kLL) {
+      throw std::invalid_argument(at + "an LL slot cannot be one of two destinations");
+    }
+    check_ref(at, step.dst2, true);
+  } else if (step.num_dsts != 1) {
+    throw std::invalid_argument(at + str(step.num_dsts) + " destinations; expected 1 or 2");
+  }
 }
 
 void check_flag_step(const std::string& at, const Step& step, const Layout& layout, int rank) {

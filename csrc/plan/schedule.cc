@@ -519,11 +519,78 @@ std::string describe_buf(const BufRef& buf) {
 
 }  // namespace
 
+namespace {
+bool same_buffer(const BufRef& a, const BufRef& b) {
+  return a.space == b.space && a.owner == b.owner &&
+         (a.space == Space::kInput || a.space == Space::kOutput || a.slot == b.slot);
+}
+
+bool reads(const Step& step, const BufRef& buf) {
+  if (step.kind != StepKind::kReduce) return false;
+  for (int i = 0; i < step.num_srcs; ++i) {
+    if (same_buffer(step.srcs[i], buf)) return true;
+  }
+  return false;
+}
+
+bool writes(const Step& step, const BufRef& buf) {
+  return step.kind == StepKind::kReduce &&
+         (same_buffer(step.dst, buf) || (step.num_dsts == 2 && same_buffer(step.dst2, buf)));
+}
+
+// The copy at `c` forwards what the sum at `r` writes (same buffer, same chunk), may move up to
+// it across the steps in between (and, staged, stays in its stage), and neither touches LL.
+bool can_fuse(const std::vector<Step>& program, size_t r, size_t c, bool staged) {
+  const Step& sum = program[r];
+  const Step& copy = program[c];
+  // A staged schedule talks to one peer per stage: a copy stays in its own stage.
+  if (staged && copy.stage != sum.stage) return false;
+  if (copy.kind != StepKind::kReduce || copy.num_srcs != 1 || copy.num_dsts != 1 ||
+      copy.chunk != sum.chunk || !same_buffer(copy.srcs[0], sum.dst) ||
+      copy.dst.space == Space::kLL || same_buffer(copy.dst, sum.dst) || reads(sum, copy.dst)) {
+    return false;
+  }
+  // Writing copy.dst earlier is safe across signals (data stored sooner is still stored
+  // before them) but not across a wait (it may be what frees copy.dst), nor across a step
+  // that touches copy.dst or rewrites what the copy forwards.
+  for (size_t i = r + 1; i < c; ++i) {
+    const Step& between = program[i];
+    if (between.kind == StepKind::kWait || reads(between, copy.dst) || writes(between, copy.dst) ||
+        writes(between, sum.dst)) {
+      return false;
+    }
+  }
+  return true;
+}
+}  // namespace
+
+Schedule fuse_forwarding_copies(Schedule schedule) {
+  for (auto& program : schedule.programs) {
+    for (size_t r = 0; r < program.size(); ++r) {
+      const Step& sum = program[r];
+      if (sum.kind != StepKind::kReduce || sum.num_srcs < 2 || sum.num_dsts != 1 ||
+          sum.dst.space == Space::kLL) {
+        continue;
+      }
+      for (size_t c = r + 1; c < program.size() && program[c].kind != StepKind::kWait; ++c) {
+        if (!can_fuse(program, r, c, schedule.staged)) continue;
+        program[r].num_dsts = 2;
+        program[r].dst2 = program[c].dst;
+        program.erase(program.begin() + static_cast<std::ptrdiff_t>(c));
+        break;
+      }
+    }
+  }
+  return schedule;
+}
+
 std::string describe_step(const Step& step) {
   std::string text = "s" + std::to_string(step.stage) + " ";
   switch (step.kind) {
     case StepKind::kReduce: {
       text += describe_buf(step.dst) + "[" + std::to_string(step.chunk) + "] = ";
+      if (step.num_dsts == 2)
+        text += describe_buf(step.dst2) + "[" + std::to_string(step.chunk) + "] = ";
       for (int i = 0; i < step.num_srcs; ++i) {
         if (i) text += " + ";
         text += describe_buf(step.srcs[i]);

@@ -55,6 +55,13 @@ Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, i
                         const std::vector<int>& island_of = {},
                         Protocol protocol = Protocol::kFlag);
 
+// Fuses each copy that forwards a sum's result (the copy reads, for the same chunk, the buffer
+// the sum just wrote) into that sum as its second destination, when nothing in between waits
+// or touches either buffer: one pass writes both, instead of writing the result and reading it
+// back. Two-shot's all-gather sends (push) and the pull ranks' copy of their published chunk
+// fuse this way. LL steps never fuse. The result must be verified like any schedule.
+Schedule fuse_forwarding_copies(Schedule schedule);
+
 // The POD a transport executes for `rank`. Throws std::length_error if the program does not
 // fit (it always does for schedules the builders emit).
 Program encode_program(const Schedule& schedule, int rank);

@@ -29,7 +29,8 @@ struct BufRef {
 };
 
 enum class StepKind : uint8_t {
-  kReduce = 0,  // dst[chunk] = round(sum of srcs[chunk] in order, accumulated in fp32); LL
+  kReduce = 0,  // dst[chunk] (and dst2[chunk]) = round(sum of srcs[chunk] in order, accumulated
+                // in fp32); LL
                 // sources are awaited per vector, an LL destination is written tagged
   kSignal = 1,  // release-store this generation into flag `flag` of rank `flag_owner`
   kWait = 2,    // acquire-wait until flag `flag` of rank `flag_owner` reaches this generation
@@ -43,9 +44,11 @@ struct Step {
   uint8_t peer = 0;        // kSignal: rank being told; kWait: rank expected to write the flag
   uint8_t flag_owner = 0;  // kSignal/kWait: rank whose workspace holds the flag
   uint8_t flag = 0;        // kSignal/kWait: flag index in the owner's per-block flag array
-  uint8_t reserved = 0;
+  uint8_t num_dsts = 1;    // kReduce: 1, or 2 when dst2 receives the same result (a fused
+                           // forwarding copy, see fuse_forwarding_copies()); never LL
   BufRef dst;
   BufRef srcs[kMaxSources];
+  BufRef dst2;  // kReduce with num_dsts == 2: the second destination, same chunk
 };
 
 struct Program {

@@ -327,14 +327,30 @@ class Simulation {
       operands.push_back(read(r, index, step, src));
     }
     hops_[r] = step_hops_;
-    if (!check_buf(r, index, step, step.dst)) return;
-    if (step.dst.owner != r) record_transfer(step.stage, r, step.dst.owner, r, index, step);
-    if (std::find(operands.begin(), operands.end(), -1) != operands.end()) return;
-    if (step.dst.space == Space::kLL) {
-      write_ll(r, index, step, step.dst, exprs_.sum(operands));
-    } else {
-      write(r, index, step, step.dst, exprs_.sum(operands));
+    if (step.num_dsts != 1 && step.num_dsts != 2) {
+      error(where(r, index, step) + ": a reduce writes 1 or 2 destinations, not " +
+            std::to_string(step.num_dsts));
+      return;
     }
+    const bool ll =
+        step.dst.space == Space::kLL || (step.num_dsts == 2 && step.dst2.space == Space::kLL);
+    if (step.num_dsts == 2 && ll) {
+      error(where(r, index, step) + ": an LL slot cannot be one of two destinations");
+      return;
+    }
+    for (int d = 0; d < step.num_dsts; ++d) {
+      const BufRef& dst = d == 0 ? step.dst : step.dst2;
+      if (!check_buf(r, index, step, dst)) return;
+      if (dst.owner != r) record_transfer(step.stage, r, dst.owner, r, index, step);
+    }
+    if (std::find(operands.begin(), operands.end(), -1) != operands.end()) return;
+    const int sum = exprs_.sum(operands);
+    if (step.dst.space == Space::kLL) {
+      write_ll(r, index, step, step.dst, sum);
+      return;
+    }
+    for (int d = 0; d < step.num_dsts; ++d)
+      write(r, index, step, d == 0 ? step.dst : step.dst2, sum);
   }
 
   void execute_signal(int r, int index, const Step& step) {

@@ -394,6 +394,16 @@ void CudaIpcWorkspace::release() {
 
 int CudaIpcWorkspace::install(const plan::Program& program) {
   if (slab_ == nullptr) throw std::logic_error("add_program(): the workspace was freed");
+  // The kernels sit at their register budget; a second store pointer in the reduce loop
+  // spills at eight operands, so fused schedules (plan::fuse_forwarding_copies) are host-only.
+  for (int i = 0; i < program.num_steps; ++i) {
+    if (program.steps[i].num_dsts != 1) {
+      throw std::invalid_argument("rank " + std::to_string(rank()) + "'s program, step " +
+                                  std::to_string(i) +
+                                  ": the CUDA executor writes one destination per step; run the "
+                                  "schedule unfused");
+    }
+  }
   ProgramSet set;
   set.direction = program.direction;
   DeviceGuard guard(device_);

@@ -40,6 +40,9 @@ static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
 // on the stack: 1 KiB of payload, in L1 while the reduce uses it.
 constexpr int64_t kLLTileVecs = 64;
 constexpr int kWordsPerVec = plan::kVectorBytes / sizeof(uint32_t);  // one LL word per payload word
+// A reduce with two destinations sums this many vectors (8 KiB: operands and result stay in a
+// 32 KiB L1) into the first, then copies them to the second.
+constexpr int64_t kFusedTileVecs = 512;
 
 // A few hundred polls cover a peer that is already running on another core; past that the peer
 // is probably waiting for our core (CI runs 8 ranks on 2), so give it away.
@@ -471,7 +474,22 @@ class BlockPass {
     uint8_t* dst = resolve(step.dst, range.begin);
     const uint8_t* srcs[plan::kMaxSources];
     for (int s = 0; s < step.num_srcs; ++s) srcs[s] = resolve(step.srcs[s], range.begin);
-    combine(dst, srcs, step.num_srcs, range.end - range.begin, reduce);
+    const int64_t count = range.end - range.begin;
+    if (step.num_dsts != 2) {
+      combine(dst, srcs, step.num_srcs, count, reduce);
+      return;
+    }
+    // Two destinations in one pass: each tile is summed into dst, then copied on to dst2 while
+    // it is still in L1, instead of reading the whole result back from further away.
+    uint8_t* dst2 = resolve(step.dst2, range.begin);
+    for (int64_t v = 0; v < count; v += kFusedTileVecs) {
+      const int64_t n = std::min(kFusedTileVecs, count - v);
+      const int64_t at = v * plan::kVectorBytes;
+      const uint8_t* tile[plan::kMaxSources];
+      for (int s = 0; s < step.num_srcs; ++s) tile[s] = srcs[s] + at;
+      combine(dst + at, tile, step.num_srcs, n, reduce);
+      std::memcpy(dst2 + at, dst + at, n * plan::kVectorBytes);
+    }
   }
 
   // dst = the sum of srcs; a copy moves bits untouched (NaN payloads included), in place is a

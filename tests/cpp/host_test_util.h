@@ -536,6 +536,7 @@ inline void expect_all_returned(const GroupResult& g) {
 struct TacticCase {
   plan::Tactic tactic;  // blocks come from each call
   plan::Schedule schedule;
+  bool fused = false;  // schedule went through plan::fuse_forwarding_copies (what hosts run)
 };
 
 struct CallCase {
@@ -564,18 +565,25 @@ inline plan::Tactic call_tactic(const Workload& w, const CallCase& call) {
 inline std::string describe_call(const Workload& w, int index) {
   const CallCase& c = w.calls[index];
   const plan::Tactic t = call_tactic(w, c);
-  return "call " + std::to_string(index) + " (" + plan::tactic_label(t) + " " +
-         std::string(plan::dtype_name(c.dtype)) + " numel " + std::to_string(c.numel) +
-         (c.in_place ? " in-place" : "") + ")";
+  return "call " + std::to_string(index) + " (" + plan::tactic_label(t) +
+         (w.tactics[c.tactic].fused ? "+fused " : " ") + std::string(plan::dtype_name(c.dtype)) +
+         " numel " + std::to_string(c.numel) + (c.in_place ? " in-place" : "") + ")";
 }
 
-// Every tactic the builders accept for this world and island map.
+// Every tactic the builders accept for this world and island map, as built (what GPUs run) and,
+// where fusing changes it, as fused (what the host communicator runs).
 inline std::vector<TacticCase> all_tactics(int world, const std::vector<int>& island_of) {
   std::vector<TacticCase> tactics;
   for (const plan::Tactic& tactic : plan::buildable_tactics(world, island_of)) {
-    tactics.push_back(
-        TacticCase{tactic, plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged,
-                                                world, island_of, tactic.protocol)});
+    plan::Schedule built = plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged,
+                                                world, island_of, tactic.protocol);
+    plan::Schedule fused = plan::fuse_forwarding_copies(built);
+    size_t built_steps = 0, fused_steps = 0;  // fusing removes the copies it folds in
+    for (const auto& program : built.programs) built_steps += program.size();
+    for (const auto& program : fused.programs) fused_steps += program.size();
+    const bool changed = fused_steps != built_steps;
+    tactics.push_back(TacticCase{tactic, std::move(built), false});
+    if (changed) tactics.push_back(TacticCase{tactic, std::move(fused), true});
   }
   return tactics;
 }

@@ -182,10 +182,12 @@ class Replay {
     // 4 fp32 elements per 16-byte vector.
     const VecRange v = slice_range(numel_ / 4, programs_[r].num_chunks, step.chunk, blocks_, block);
     float* dst = resolve(r, step.dst);
+    float* dst2 = step.num_dsts == 2 ? resolve(r, step.dst2) : nullptr;
     for (int64_t i = v.begin * 4; i < v.end * 4; ++i) {
       float acc = resolve(r, step.srcs[0])[i];
       for (int k = 1; k < step.num_srcs; ++k) acc += resolve(r, step.srcs[k])[i];
       dst[i] = acc;
+      if (dst2 != nullptr) dst2[i] = acc;
     }
     for (int k = 0; k < step.num_srcs; ++k) {
       const BufRef& src = step.srcs[k];
@@ -214,35 +216,44 @@ class Replay {
 
 class EveryAcceptedSchedule : public testing::TestWithParam<Case> {};
 
+// Each schedule as built (what GPUs run) and with its forwarding copies fused (what hosts run).
+std::vector<Schedule> built_and_fused(const Case& c) {
+  Schedule built = build(c);
+  Schedule fused = fuse_forwarding_copies(built);
+  return {std::move(built), std::move(fused)};
+}
+
 TEST_P(EveryAcceptedSchedule, VerifiesOutOfPlaceAndInPlace) {
   const Case& c = GetParam();
-  const Schedule s = build(c);
-  for (bool in_place : {false, true}) {
-    const Verification v = verify(s, VerifyOptions{in_place});
-    EXPECT_TRUE(v.ok) << first_error(v);
-    if (c.staged) {
-      EXPECT_LE(v.max_outbound_per_stage, 1);
-      EXPECT_LE(v.max_inbound_per_stage, 1);
+  for (const Schedule& s : built_and_fused(c)) {
+    for (bool in_place : {false, true}) {
+      const Verification v = verify(s, VerifyOptions{in_place});
+      EXPECT_TRUE(v.ok) << first_error(v);
+      if (c.staged) {
+        EXPECT_LE(v.max_outbound_per_stage, 1);
+        EXPECT_LE(v.max_inbound_per_stage, 1);
+      }
+      EXPECT_LE(v.max_steps, kMaxSteps);
     }
-    EXPECT_LE(v.max_steps, kMaxSteps);
   }
 }
 
 TEST_P(EveryAcceptedSchedule, ReplayedStepListsProduceTheSum) {
   const Case& c = GetParam();
-  const Schedule s = build(c);
-  // 4 fp32 per vector; an odd vector count so chunks and slices are uneven.
-  for (int blocks : {1, 3}) {
-    for (bool in_place : {false, true}) {
-      Replay replay(s, 4 * 37, blocks, in_place);
-      replay.keep_inputs();
-      ASSERT_TRUE(replay.run()) << "deadlock";
-      for (int r = 0; r < c.world; ++r) {
-        for (int64_t i = 0; i < 4 * 37; ++i) {
-          // Small integers sum exactly in fp32, whatever the order.
-          ASSERT_EQ(replay.output(r)[i], replay.expected(i))
-              << "rank " << r << " element " << i << " blocks " << blocks << " in_place "
-              << in_place;
+  for (const Schedule& s : built_and_fused(c)) {
+    // 4 fp32 per vector; an odd vector count so chunks and slices are uneven.
+    for (int blocks : {1, 3}) {
+      for (bool in_place : {false, true}) {
+        Replay replay(s, 4 * 37, blocks, in_place);
+        replay.keep_inputs();
+        ASSERT_TRUE(replay.run()) << "deadlock";
+        for (int r = 0; r < c.world; ++r) {
+          for (int64_t i = 0; i < 4 * 37; ++i) {
+            // Small integers sum exactly in fp32, whatever the order.
+            ASSERT_EQ(replay.output(r)[i], replay.expected(i))
+                << "rank " << r << " element " << i << " blocks " << blocks << " in_place "
+                << in_place;
+          }
         }
       }
     }
@@ -251,15 +262,47 @@ TEST_P(EveryAcceptedSchedule, ReplayedStepListsProduceTheSum) {
 
 TEST_P(EveryAcceptedSchedule, EncodesEveryRank) {
   const Case& c = GetParam();
-  const Schedule s = build(c);
+  for (const Schedule& s : built_and_fused(c)) {
+    for (int r = 0; r < c.world; ++r) {
+      const Program p = encode_program(s, r);
+      EXPECT_EQ(p.rank, r);
+      EXPECT_EQ(p.world, c.world);
+      EXPECT_EQ(p.num_chunks, s.num_chunks);
+      ASSERT_EQ(p.num_steps, s.programs[r].size());
+      for (int i = 0; i < p.num_steps; ++i) {
+        EXPECT_EQ(describe_step(p.steps[i]), describe_step(s.programs[r][i]));
+      }
+    }
+  }
+}
+
+TEST_P(EveryAcceptedSchedule, FusingFoldsOnlyForwardingCopiesIntoSums) {
+  const Case& c = GetParam();
+  const Schedule built = build(c);
+  const Schedule fused = fuse_forwarding_copies(built);
   for (int r = 0; r < c.world; ++r) {
-    const Program p = encode_program(s, r);
-    EXPECT_EQ(p.rank, r);
-    EXPECT_EQ(p.world, c.world);
-    EXPECT_EQ(p.num_chunks, s.num_chunks);
-    ASSERT_EQ(p.num_steps, s.programs[r].size());
-    for (int i = 0; i < p.num_steps; ++i) {
-      EXPECT_EQ(describe_step(p.steps[i]), describe_step(s.programs[r][i]));
+    int dual = 0;
+    for (const Step& step : fused.programs[r]) {
+      if (step.kind != StepKind::kReduce || step.num_dsts == 1) continue;
+      ++dual;
+      EXPECT_EQ(step.num_dsts, 2);
+      EXPECT_GE(step.num_srcs, 2) << "only sums take a second destination";
+      EXPECT_NE(step.dst.space, Space::kLL);
+      EXPECT_NE(step.dst2.space, Space::kLL);
+    }
+    // Each fused step replaced exactly one copy.
+    EXPECT_EQ(built.programs[r].size() - fused.programs[r].size(), static_cast<size_t>(dual))
+        << "rank " << r;
+    // Flat two-shot with flags: the all-gather send (unstaged push) or the copy of the
+    // published chunk (pull) joins the reduce-scatter's sum on every rank; staged push sends in
+    // the next stage, and one-shot and LL have nothing to fuse.
+    const bool expect_one = c.algorithm == Algorithm::kTwoshot && c.protocol == Protocol::kFlag &&
+                            (c.direction == Direction::kPull || !c.staged);
+    if (expect_one) {
+      EXPECT_EQ(dual, 1) << "rank " << r;
+    }
+    if (c.algorithm == Algorithm::kOneshot || c.protocol == Protocol::kLL) {
+      EXPECT_EQ(dual, 0);
     }
   }
 }
@@ -359,6 +402,56 @@ bool mentions(const Verification& v, const std::string& text) {
     if (e.find(text) != std::string::npos) return true;
   }
   return false;
+}
+
+TEST(Schedule, FusingNeverMovesACopyAcrossAWait) {
+  // Twoshot push: rank r's sum writes output chunk r and the next step forwards it. Put a wait
+  // between the two: the copy may depend on it, so nothing fuses.
+  Schedule s = build_schedule(Algorithm::kTwoshot, Direction::kPush, false, 2);
+  for (auto& program : s.programs) {
+    for (size_t i = 0; i + 1 < program.size(); ++i) {
+      if (program[i].kind == StepKind::kReduce && program[i].num_srcs == 2) {
+        Step wait = program[i];
+        wait = Step{};
+        wait.kind = StepKind::kWait;
+        program.insert(program.begin() + static_cast<std::ptrdiff_t>(i) + 1, wait);
+        break;
+      }
+    }
+  }
+  const Schedule fused = fuse_forwarding_copies(s);
+  for (const auto& program : fused.programs) {
+    for (const Step& step : program) EXPECT_EQ(step.num_dsts, 1) << describe_step(step);
+  }
+  // Without the wait both ranks fuse (the control).
+  const Schedule plain =
+      fuse_forwarding_copies(build_schedule(Algorithm::kTwoshot, Direction::kPush, false, 2));
+  for (const auto& program : plain.programs) {
+    EXPECT_EQ(std::count_if(program.begin(), program.end(),
+                            [](const Step& step) { return step.num_dsts == 2; }),
+              1);
+  }
+}
+
+TEST(Verifier, RejectsAnLLSecondDestinationAndABadDestinationCount) {
+  Schedule s =
+      fuse_forwarding_copies(build_schedule(Algorithm::kTwoshot, Direction::kPush, false, 2));
+  Step* dual = nullptr;
+  for (Step& step : s.programs[0]) {
+    if (step.num_dsts == 2) dual = &step;
+  }
+  ASSERT_NE(dual, nullptr);
+  Schedule ll = s;
+  for (Step& step : ll.programs[0]) {
+    if (step.num_dsts == 2) step.dst2.space = Space::kLL;
+  }
+  Verification v = verify(ll);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "LL slot cannot be one of two destinations")) << first_error(v);
+  dual->num_dsts = 3;
+  v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(mentions(v, "writes 1 or 2 destinations, not 3")) << first_error(v);
 }
 
 TEST(Verifier, AcceptsTheUnbrokenSchedule) { EXPECT_TRUE(verify(good()).ok); }
