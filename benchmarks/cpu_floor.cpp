@@ -8,12 +8,11 @@
 // at call n+1's first barrier, i.e. finished call n). Not a product: no timeouts, no checks
 // beyond sizes and dtypes, NaN payloads are not preserved by the bf16 rounding.
 
-#include <torch/extension.h>
-
 #include <fcntl.h>
 #include <immintrin.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <torch/extension.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -124,20 +123,34 @@ class Floor {
         for (int r = 0; r < world_; ++r) in[r] = reinterpret_cast<uint16_t*>(bufs[r]) + lo;
         uint16_t* o = reinterpret_cast<uint16_t*>(bufs[rank_]) + lo;
         switch (world_) {
-          case 2: reduce_bf16<2>(o, in, len, world_); break;
-          case 4: reduce_bf16<4>(o, in, len, world_); break;
-          case 8: reduce_bf16<8>(o, in, len, world_); break;
-          default: reduce_bf16<0>(o, in, len, world_);
+          case 2:
+            reduce_bf16<2>(o, in, len, world_);
+            break;
+          case 4:
+            reduce_bf16<4>(o, in, len, world_);
+            break;
+          case 8:
+            reduce_bf16<8>(o, in, len, world_);
+            break;
+          default:
+            reduce_bf16<0>(o, in, len, world_);
         }
       } else {
         const float* in[kMaxWorld];
         for (int r = 0; r < world_; ++r) in[r] = reinterpret_cast<float*>(bufs[r]) + lo;
         float* o = reinterpret_cast<float*>(bufs[rank_]) + lo;
         switch (world_) {
-          case 2: reduce_f32<2>(o, in, len, world_); break;
-          case 4: reduce_f32<4>(o, in, len, world_); break;
-          case 8: reduce_f32<8>(o, in, len, world_); break;
-          default: reduce_f32<0>(o, in, len, world_);
+          case 2:
+            reduce_f32<2>(o, in, len, world_);
+            break;
+          case 4:
+            reduce_f32<4>(o, in, len, world_);
+            break;
+          case 8:
+            reduce_f32<8>(o, in, len, world_);
+            break;
+          default:
+            reduce_f32<0>(o, in, len, world_);
         }
       }
     }

@@ -4,10 +4,12 @@ which pickles its result to ``out_dir/rank<r>.pkl``."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import tempfile
 import time
+import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
@@ -56,3 +58,47 @@ def fail_on_errors(results: List[Dict[str, Any]]) -> None:
     for r, res in enumerate(results):
         if not res["ok"]:
             pytest.fail(f"rank {r} failed: {res['error']}\n{res['traceback']}")
+
+
+def report(rank: int, out_dir: str, body: Callable[[], Any],
+           on_error: Callable[[BaseException], Dict[str, Any]] = lambda e: {},
+           always: Callable[[], Dict[str, Any]] = dict) -> Dict[str, Any]:
+    """In a rank: runs ``body()`` and pickles what spawn_ranks reads back, ``{"ok": True,
+    "value"}`` or ``{"ok": False, "error", "type", "traceback", **on_error(e)}``, each with
+    ``always()`` added. Returns that dict."""
+    result: Dict[str, Any]
+    try:
+        result = {"ok": True, "value": body()}
+    except BaseException as e:  # report everything, SystemExit from a test body included
+        result = {"ok": False, "error": repr(e), "type": type(e).__name__,
+                  "traceback": traceback.format_exc(), **on_error(e)}
+    result.update(always())
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    return result
+
+
+def leave_group(result: Dict[str, Any]) -> None:
+    """In a rank whose body succeeded: destroys the default process group (best effort; after
+    a failure a peer may be gone and the collective teardown would hang)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and result["ok"]:
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class LogRecords(logging.Handler):
+    """Every record of the loggers it is added to, in this rank, as (level, message)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: List[tuple] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelname, record.getMessage()))
+
+    def matching(self, text: str) -> List[str]:
+        return [m for _, m in self.records if text in m]

@@ -222,8 +222,7 @@ void bind_schedules(py::module_& m) {
       "host_reduce_isas",
       [] {
         std::vector<std::string> names;
-        for (const auto isa : {transport::ReduceIsa::kScalar, transport::ReduceIsa::kAvx2,
-                               transport::ReduceIsa::kAvx512}) {
+        for (const auto isa : transport::kAllReduceIsas) {
           if (transport::reduce_isa_available(isa))
             names.emplace_back(transport::reduce_isa_name(isa));
         }

@@ -539,7 +539,8 @@ bool writes(const Step& step, const BufRef& buf) {
 }
 
 // The copy at `c` forwards what the sum at `r` writes (same buffer, same chunk), may move up to
-// it across the steps in between (and, staged, stays in its stage), and neither touches LL.
+// it across the steps in between (none of them a wait), stays in its stage when staged, and
+// neither touches LL.
 bool can_fuse(const std::vector<Step>& program, size_t r, size_t c, bool staged) {
   const Step& sum = program[r];
   const Step& copy = program[c];
@@ -551,12 +552,12 @@ bool can_fuse(const std::vector<Step>& program, size_t r, size_t c, bool staged)
     return false;
   }
   // Writing copy.dst earlier is safe across signals (data stored sooner is still stored
-  // before them) but not across a wait (it may be what frees copy.dst), nor across a step
-  // that touches copy.dst or rewrites what the copy forwards.
+  // before them) but not across a wait (it may be what frees copy.dst: the caller never
+  // looks past one), nor across a step that touches copy.dst or rewrites what the copy
+  // forwards.
   for (size_t i = r + 1; i < c; ++i) {
     const Step& between = program[i];
-    if (between.kind == StepKind::kWait || reads(between, copy.dst) || writes(between, copy.dst) ||
-        writes(between, sum.dst)) {
+    if (reads(between, copy.dst) || writes(between, copy.dst) || writes(between, sum.dst)) {
       return false;
     }
   }

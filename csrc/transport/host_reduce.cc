@@ -141,7 +141,7 @@ std::string_view reduce_isa_name(ReduceIsa isa) {
 }
 
 std::optional<ReduceIsa> parse_reduce_isa(std::string_view name) {
-  for (const ReduceIsa isa : {ReduceIsa::kScalar, ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
+  for (const ReduceIsa isa : kAllReduceIsas) {
     if (name == reduce_isa_name(isa)) return isa;
   }
   return std::nullopt;

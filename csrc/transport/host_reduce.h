@@ -32,6 +32,8 @@ inline constexpr uint32_t kCanonicalNaN = 0x7fffffffu;  // fp32 bits; narrows to
 using ReduceFn = void (*)(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t num_vecs);
 
 enum class ReduceIsa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+inline constexpr ReduceIsa kAllReduceIsas[] = {ReduceIsa::kScalar, ReduceIsa::kAvx2,
+                                               ReduceIsa::kAvx512};  // narrowest first
 
 std::string_view reduce_isa_name(ReduceIsa isa);  // "scalar", "avx2", "avx512"
 std::optional<ReduceIsa> parse_reduce_isa(std::string_view name);

@@ -240,7 +240,7 @@ TEST(HostReduce, NaNSumsAreTheCanonicalQuietNaN) {
   const uint16_t bf16_nans[8] = {0x7fc1, 0xffe5, 0x7f81, 0xffff, 0xff81, 0x7fa0, 0xffc0, 0x7fff};
   const uint16_t fp16_nans[8] = {0x7e01, 0xfe84, 0x7c01, 0x7fff, 0xfc01, 0x7d00, 0xffe5, 0x7fc1};
   const uint32_t fp32_nans[4] = {0x7fc00001, 0xffb893d2, 0x7f800001, 0xffffffff};
-  for (const ReduceIsa isa : {ReduceIsa::kScalar, ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
+  for (const ReduceIsa isa : kAllReduceIsas) {
     if (!reduce_isa_available(isa)) continue;
     for (const DType dtype : plan::kAllDTypes) {
       const ReduceFn reduce = reducer_for(dtype, isa);
@@ -291,7 +291,7 @@ INSTANTIATE_TEST_SUITE_P(Bf16AndFp16, HalfPrecisionReducer,
                          case_name);
 
 TEST(ReduceIsaChoice, NamesRoundTripAndUnknownNamesAreRejected) {
-  for (const ReduceIsa isa : {ReduceIsa::kScalar, ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
+  for (const ReduceIsa isa : kAllReduceIsas) {
     EXPECT_EQ(parse_reduce_isa(reduce_isa_name(isa)), isa);
   }
   EXPECT_FALSE(parse_reduce_isa("sse2").has_value());
@@ -302,7 +302,7 @@ TEST(ReduceIsaChoice, SetReduceIsaSelectsThatIsasReducersAndRefusesWhatTheCpuLac
   const ReduceIsa before = active_reduce_isa();
   EXPECT_TRUE(reduce_isa_available(ReduceIsa::kScalar));
   EXPECT_TRUE(reduce_isa_available(best_reduce_isa()));
-  for (const ReduceIsa isa : {ReduceIsa::kScalar, ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
+  for (const ReduceIsa isa : kAllReduceIsas) {
     if (reduce_isa_available(isa)) {
       set_reduce_isa(isa);
       EXPECT_EQ(active_reduce_isa(), isa);

@@ -411,8 +411,7 @@ TEST(Schedule, FusingNeverMovesACopyAcrossAWait) {
   for (auto& program : s.programs) {
     for (size_t i = 0; i + 1 < program.size(); ++i) {
       if (program[i].kind == StepKind::kReduce && program[i].num_srcs == 2) {
-        Step wait = program[i];
-        wait = Step{};
+        Step wait;
         wait.kind = StepKind::kWait;
         program.insert(program.begin() + static_cast<std::ptrdiff_t>(i) + 1, wait);
         break;

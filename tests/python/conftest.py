@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import shutil
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -17,7 +15,7 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared spawner
-from spawned_ranks import fail_on_errors, spawn_ranks  # noqa: E402
+from spawned_ranks import fail_on_errors, leave_group, report, spawn_ranks  # noqa: E402
 
 SHM_PREFIX = "pcie_ar."
 
@@ -49,24 +47,14 @@ def _entry(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    result: Dict[str, Any]
-    try:
+
+    def body() -> Any:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
-        result = {"ok": True, "value": fn(rank, world, *args)}
-    except BaseException as e:  # report everything, including SystemExit from the test body
-        result = {"ok": False, "error": repr(e), "type": type(e).__name__,
-                  "traceback": traceback.format_exc(), "attrs": _attrs(e)}
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    try:
-        import torch.distributed as dist
+        return fn(rank, world, *args)
 
-        if dist.is_initialized() and result["ok"]:
-            dist.destroy_process_group()
-    except Exception:
-        pass
+    leave_group(report(rank, out_dir, body, on_error=lambda e: {"attrs": _attrs(e)}))
 
 
 def _attrs(e: BaseException) -> Dict[str, Any]:

@@ -16,16 +16,14 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import pickle
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared spawner
-from spawned_ranks import fail_on_errors, spawn_ranks  # noqa: E402
+from spawned_ranks import LogRecords, fail_on_errors, leave_group, report, spawn_ranks  # noqa: E402,E501
 
 SHM_PREFIX = "pcie_ar."
 TIMEOUT_S = 300.0  # a shared 2-core machine: generous, and only ever reached by a hang
@@ -43,18 +41,7 @@ def shm_entries() -> set:
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(SHM_PREFIX)}
 
 
-class Logs(logging.Handler):
-    """Every record of the ``pcie_allreduce`` logger in this rank, as (level, message)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: List[tuple] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.levelname, record.getMessage()))
-
-
-LOGS: Optional[Logs] = None  # in a rank: its records so far
+LOGS: Optional[LogRecords] = None  # in a rank: its records so far
 
 
 def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple,
@@ -70,31 +57,21 @@ def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: 
         else:
             os.environ[name] = value
     global LOGS
-    logs = LOGS = Logs()
+    logs = LOGS = LogRecords()
     ours = logging.getLogger("pcie_allreduce")
     ours.addHandler(logs)
     ours.setLevel(logging.DEBUG)
-    result: Dict[str, Any]
-    try:
+
+    def body() -> Any:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
-        result = {"ok": True, "value": fn(rank, world, *args)}
-    except BaseException as e:  # report everything, SystemExit from a test body included
-        result = {"ok": False, "error": repr(e), "traceback": traceback.format_exc()}
-    result["logs"] = logs.records
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    try:
-        import torch.distributed as dist
+        return fn(rank, world, *args)
 
-        if dist.is_initialized() and result["ok"]:
-            dist.destroy_process_group()
-    except Exception:
-        pass
+    leave_group(report(rank, out_dir, body, always=lambda: {"logs": logs.records}))
 
 
 def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2,

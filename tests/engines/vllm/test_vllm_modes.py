@@ -43,7 +43,7 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
 
     def phase(tp: Any) -> Dict[str, Any]:
         adapter = slot_of(tp)
-        ours = [(level, m) for level, m in logs.lines if UPSTREAM_FLAG in m]
+        ours = [(level, m) for level, m in logs.records if UPSTREAM_FLAG in m]
         return {
             "owner": type(adapter).__name__,
             "built": len(built),
@@ -80,7 +80,7 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
     # 2: deterministic inference (vLLM then builds no FlashInfer PCIe backend of its own),
     # with the workspace set explicitly.
     ps.destroy_model_parallel()
-    logs.lines.clear()
+    logs.records.clear()
     built.clear()
     destroyed.clear()
     os.environ["VLLM_BATCH_INVARIANT"] = "1"

@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared spawner
-from spawned_ranks import fail_on_errors, spawn_ranks  # noqa: E402
+from spawned_ranks import LogRecords, fail_on_errors, report, spawn_ranks  # noqa: E402
 
 SHM_PREFIX = "pcie_ar."
 CUDA_COMMUNICATOR = "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
@@ -135,20 +133,6 @@ def make_config(model_dir: Optional[str] = None, *, max_num_seqs: int = 8,
 
 
 # ---------------------------------------------------------------------- vLLM's groups
-class LogRecords(logging.Handler):
-    """Every record of the pcie_allreduce loggers in this rank, as (level, message)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: List[tuple] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((record.levelname, record.getMessage()))
-
-    def matching(self, text: str) -> List[str]:
-        return [m for _, m in self.lines if text in m]
-
-
 def capture_logs() -> LogRecords:
     handler = LogRecords()
     ours = logging.getLogger("pcie_allreduce")
@@ -228,14 +212,7 @@ def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: 
     import torch
 
     torch.set_num_threads(1)
-    result: Dict[str, Any]
-    try:
-        result = {"ok": True, "value": fn(rank, world, init_file, *args)}
-    except BaseException as e:  # report everything, including SystemExit from the test body
-        result = {"ok": False, "error": repr(e), "type": type(e).__name__,
-                  "traceback": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    report(rank, out_dir, lambda: fn(rank, world, init_file, *args))
 
 
 class RankResults(list):
