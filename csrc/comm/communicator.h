@@ -1,7 +1,8 @@
 // The Communicator: one per process group. It owns the workspace (fixed at construction and
 // sized for decode), the per-call admission, the tuning-table decision and the fallback, and
 // counts every call and every decline. Transport-agnostic: it holds a transport::Workspace
-// made by transport::make_workspace() (host_shm for CPU tensors, cuda_ipc for CUDA tensors).
+// made by transport::make_workspace() (host_shm for CPU tensors, cuda_ipc or cuda_host for CUDA
+// tensors).
 //
 // Bootstrap is driven from Python, which owns the process group:
 //   Communicator c(options);             // allocates this rank's workspace
@@ -64,7 +65,7 @@ struct Options {
   int world = 0;
   int64_t max_numel = 0;
   std::vector<plan::DType> dtypes = {plan::DType::kBF16, plan::DType::kFP16, plan::DType::kFP32};
-  std::string transport = "host";            // "host" or "cuda"
+  std::string transport = "host";            // "host", "cuda" (P2P) or "cuda_host"
   int device = -1;                           // CUDA device index (cuda transport)
   double timeout_s = 30.0;                   // every wait's deadline; 0 = forever
   uint32_t initial_gen = 0;                  // tests start near 2^32 to cross the wrap

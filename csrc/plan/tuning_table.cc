@@ -29,6 +29,16 @@ host,*,*,65536,1048576,twoshot,push,0,1,32
 host,*,*,1048576,*,twoshot,pull,0,1,32
 # NVLink-connected GPUs belong to the serving engine's own custom all-reduce.
 nvlink,*,*,0,*,fallback,,,,
+# GPUs without peer-to-peer (transport cuda_host: every workspace in shared pinned host memory,
+# topology key hostmem). ESTIMATES from the step lists, not yet measured: every flag or LL poll
+# is a PCIe round trip to host DRAM, so decode sizes take LL one-shot (one round trip, no fence,
+# no flag); the flag protocol (a system fence, a flag poll, then the data read: two round trips)
+# only once LL's doubled bytes outweigh that, and two-shot only where one-shot's (N-1)-fold
+# writes of the whole message do, unstaged (staging adds fences, which host memory makes dear).
+hostmem,*,*,0,65536,oneshot,push,0,8,256,ll
+hostmem,2,*,0,*,oneshot,push,0,16,256
+hostmem,*,*,0,262144,oneshot,push,0,16,256
+hostmem,*,*,262144,*,twoshot,push,0,32,512
 # GPU rows below are ESTIMATES (cost model, not yet measured on a real PCIe host).
 # Two sockets: reduce inside each island and cross the socket link once. Decode sizes use LL
 # (no fence, no flag, local polls only); then one fence per phase with parallel flags.

@@ -12,38 +12,12 @@
 #include <string>
 
 #include "plan/program_check.h"
+#include "transport/cuda_util.h"
 
 namespace pcie_ar::transport {
 namespace {
 
-std::string cuda_error_text(cudaError_t err) {
-  return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
-}
-
-void check(cudaError_t err, const std::string& what) {
-  if (err != cudaSuccess) throw std::runtime_error(what + " failed (" + cuda_error_text(err) + ")");
-}
-
 std::string str(int64_t v) { return std::to_string(v); }
-
-// Makes `device` current for a scope and restores the caller's device: the torch layer owns the
-// current device, we only borrow it.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice(" + str(device) + ")");
-  }
-  ~DeviceGuard() {
-    int current = previous_;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 ResidencyTable measure_residency(int device) {
   int sms = 0;
@@ -139,6 +113,20 @@ std::optional<plan::Diagnostic> read_diag(const plan::Diagnostic* host) {
 
 }  // namespace
 
+uint8_t* allocate_device_counters(const plan::Layout& layout, uint64_t initial_gen) {
+  std::vector<uint8_t> control(layout.control_bytes);
+  plan::initialize_control(control.data(), layout, initial_gen);
+  const uint64_t bytes = layout.gen_counter_offset(layout.max_blocks);
+  uint8_t* counters = nullptr;
+  check(cudaMalloc(&counters, bytes), "cudaMalloc of the generation counters");
+  const cudaError_t err = cudaMemcpy(counters, control.data(), bytes, cudaMemcpyHostToDevice);
+  if (err != cudaSuccess) {
+    cudaFree(counters);
+    check(err, "initialising the generation counters");
+  }
+  return counters;
+}
+
 // ------------------------------------------------------------------ pure host logic
 
 LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet& programs,
@@ -149,6 +137,7 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
   p.layout = workspace.layout;
   for (int r = 0; r < plan::kMaxWorld; ++r) {
     p.bases[r] = workspace.bases[r];
+    p.counters[r] = workspace.counters[r] != nullptr ? workspace.counters[r] : workspace.bases[r];
     p.programs[r] = programs.device[r];
   }
   for (int r = first_rank; r >= 0 && r < first_rank + ranks_in_launch && r < plan::kMaxWorld; ++r) {
@@ -167,6 +156,7 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
   p.first_rank = first_rank;
   p.ranks_in_launch = ranks_in_launch;
   p.pdl = workspace.pdl;
+  p.slots_in_host_memory = workspace.slots_in_host_memory;
   return p;
 }
 
@@ -268,10 +258,10 @@ void StreamOrder::before_call(cudaStream_t stream) {
   have_last_ = true;
 }
 
-// ------------------------------------------------------------------ CudaIpcWorkspace
+// ------------------------------------------------------------------ CudaKernelWorkspace
 
-CudaIpcWorkspace::CudaIpcWorkspace(const plan::Layout& layout, int rank, int device,
-                                   uint64_t initial_gen, double timeout_s)
+CudaKernelWorkspace::CudaKernelWorkspace(const plan::Layout& layout, int rank, int device,
+                                         double timeout_s)
     : Workspace(layout, rank), device_(device) {
   require_device(device);
   plan::check_layout(layout);
@@ -282,25 +272,28 @@ CudaIpcWorkspace::CudaIpcWorkspace(const plan::Layout& layout, int rank, int dev
   view_.timeout_ns = timeout_to_ns(timeout_s);
   DeviceGuard guard(device);
   try {
-    slab_ = allocate_slab(layout, initial_gen);
-    view_.bases[rank] = slab_;
     diag_host_ = allocate_diag(&view_.diag);
     view_.claim = allocate_claim();
     residency_ = measure_residency(device);
     view_.pdl = pdl_enabled(device);
-    // Initialisation ran on the legacy stream; callers launch on their own (non-blocking) ones.
-    check(cudaDeviceSynchronize(), "initialising the all-reduce workspace");
   } catch (...) {
-    try {
-      release();
-    } catch (...) {
-    }
+    if (view_.claim != nullptr) cudaFree(view_.claim);
     if (diag_host_ != nullptr) cudaFreeHost(diag_host_);
     throw;
   }
 }
 
-CudaIpcWorkspace::~CudaIpcWorkspace() {
+CudaKernelWorkspace::~CudaKernelWorkspace() {
+  try {
+    std::string ignored;
+    DeviceGuard guard(device_);
+    release_kernel_state(ignored);
+  } catch (...) {
+  }
+  if (diag_host_ != nullptr) cudaFreeHost(diag_host_);
+}
+
+void CudaKernelWorkspace::teardown() noexcept {
   try {
     close_peers();
   } catch (...) {
@@ -309,12 +302,123 @@ CudaIpcWorkspace::~CudaIpcWorkspace() {
     release();
   } catch (...) {
   }
-  if (diag_host_ != nullptr) cudaFreeHost(diag_host_);
 }
+
+void CudaKernelWorkspace::release_kernel_state(std::string& errors) {
+  auto free_one = [&](void* ptr, const char* what) {
+    if (ptr == nullptr) return;
+    const cudaError_t err = cudaFree(ptr);
+    if (err != cudaSuccess) errors += std::string(" ") + what + ": " + cuda_error_text(err) + ";";
+  };
+  for (ProgramSet& set : programs_) {
+    free_one(const_cast<plan::Program*>(set.device[rank()]), "step list");
+    set.device[rank()] = nullptr;
+  }
+  free_one(view_.claim, "claim word");
+  view_.claim = nullptr;
+}
+
+int CudaKernelWorkspace::install(const plan::Program& program) {
+  if (view_.bases[rank()] == nullptr || view_.claim == nullptr) {
+    throw std::logic_error("add_program(): the workspace was freed");
+  }
+  // The kernels sit at their register budget; a second store pointer in the reduce loop
+  // spills at eight operands, so fused schedules (plan::fuse_forwarding_copies) are host-only.
+  for (int i = 0; i < program.num_steps; ++i) {
+    if (program.steps[i].num_dsts != 1) {
+      throw std::invalid_argument("rank " + std::to_string(rank()) + "'s program, step " +
+                                  std::to_string(i) +
+                                  ": the CUDA executor writes one destination per step; run the "
+                                  "schedule unfused");
+    }
+  }
+  ProgramSet set;
+  set.direction = program.direction;
+  DeviceGuard guard(device_);
+  set.device[rank()] = upload_program(program);
+  programs_.push_back(set);
+  return static_cast<int>(programs_.size()) - 1;
+}
+
+std::optional<std::string> CudaKernelWorkspace::transport_limits(const plan::Tactic& tactic) const {
+  return why_kernels_cannot_run(tactic, tactic.blocks, residency_);
+}
+
+void CudaKernelWorkspace::run(const Call& call) {
+  const void* inputs[plan::kMaxWorld] = {};
+  void* outputs[plan::kMaxWorld] = {};
+  inputs[rank()] = call.input;
+  outputs[rank()] = call.output;
+  const LaunchParams p =
+      make_launch_params(view_, programs_[call.program], call.dtype, call.blocks, call.threads,
+                         inputs, outputs, call.numel, call.signature, rank(), 1);
+  DeviceGuard guard(device_);
+  const auto stream = static_cast<cudaStream_t>(call.stream);
+  order_.before_call(stream);
+  if (!launch_executor(p, stream)) view_.pdl = false;  // refused: launched plainly, stay plain
+}
+
+std::optional<plan::Diagnostic> CudaKernelWorkspace::failure() const {
+  return read_diag(diag_host_);
+}
+
+void CudaKernelWorkspace::probe_write(uint32_t nonce) {
+  if (!peers_open_) throw std::logic_error("probe_write(): open_peers() has not run");
+  DeviceGuard guard(device_);
+  const plan::Layout& l = view_.layout;
+  for (int p = 0; p < l.world; ++p) {
+    if (p == rank()) continue;
+    auto* dst = reinterpret_cast<uint32_t*>(view_.bases[p] +
+                                            l.slot_offset(0, plan::slot_from_rank(rank())));
+    check(launch_probe(dst, nonce, rank(), p), "launching the P2P probe to rank " + str(p));
+  }
+  check(cudaDeviceSynchronize(), "the P2P probe writes from rank " + str(rank()));
+}
+
+std::vector<int> CudaKernelWorkspace::probe_read(uint32_t nonce) const {
+  if (view_.bases[rank()] == nullptr)
+    throw std::logic_error("probe_read(): the workspace was freed");
+  DeviceGuard guard(device_);
+  const plan::Layout& l = view_.layout;
+  std::vector<int> failed;
+  for (int q = 0; q < l.world; ++q) {
+    if (q == rank()) continue;
+    uint32_t words[kProbeWords];
+    // cudaMemcpyDefault: the slab is device memory (cuda_ipc) or mapped host memory (cuda_host).
+    check(cudaMemcpy(words, view_.bases[rank()] + l.slot_offset(0, plan::slot_from_rank(q)),
+                     sizeof(words), cudaMemcpyDefault),
+          "reading the P2P probe from rank " + str(q));
+    for (int i = 0; i < kProbeWords; ++i) {
+      if (words[i] != probe_word(nonce, q, rank(), i)) {
+        failed.push_back(q);
+        break;
+      }
+    }
+  }
+  return failed;
+}
+
+// ------------------------------------------------------------------ CudaIpcWorkspace
+
+CudaIpcWorkspace::CudaIpcWorkspace(const plan::Layout& layout, int rank, int device,
+                                   uint64_t initial_gen, double timeout_s)
+    : CudaKernelWorkspace(layout, rank, device, timeout_s) {
+  DeviceGuard guard(device);
+  slab_ = allocate_slab(layout, initial_gen);
+  view_.bases[rank] = slab_;
+  // Initialisation ran on the legacy stream; callers launch on their own (non-blocking) ones.
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    cudaFree(slab_);
+    check(err, "initialising the all-reduce workspace");
+  }
+}
+
+CudaIpcWorkspace::~CudaIpcWorkspace() { teardown(); }
 
 std::string CudaIpcWorkspace::local_token() const {
   if (slab_ == nullptr) throw std::logic_error("local_token(): the workspace was freed");
-  DeviceGuard guard(device_);
+  DeviceGuard guard(device());
   cudaIpcMemHandle_t handle;
   check(cudaIpcGetMemHandle(&handle, slab_), "cudaIpcGetMemHandle");
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
@@ -328,7 +432,7 @@ void CudaIpcWorkspace::open_peers(const std::vector<std::string>& tokens) {
   }
   if (peers_open_) throw std::logic_error("open_peers(): the peers are already open");
   if (slab_ == nullptr) throw std::logic_error("open_peers(): the workspace was freed");
-  DeviceGuard guard(device_);
+  DeviceGuard guard(device());
   for (int r = 0; r < world; ++r) {
     if (r == rank()) continue;
     try {
@@ -359,7 +463,7 @@ void CudaIpcWorkspace::open_peers(const std::vector<std::string>& tokens) {
 
 void CudaIpcWorkspace::close_peers() {
   std::string errors;
-  DeviceGuard guard(device_);
+  DeviceGuard guard(device());
   for (int r = 0; r < plan::kMaxWorld; ++r) {
     if (opened_[r] == nullptr) continue;
     const cudaError_t err = cudaIpcCloseMemHandle(opened_[r]);
@@ -374,102 +478,22 @@ void CudaIpcWorkspace::close_peers() {
 
 void CudaIpcWorkspace::release() {
   std::string errors;
-  DeviceGuard guard(device_);
-  auto free_one = [&](void* ptr, const char* what) {
-    if (ptr == nullptr) return;
-    const cudaError_t err = cudaFree(ptr);
-    if (err != cudaSuccess) errors += std::string(" ") + what + ": " + cuda_error_text(err) + ";";
-  };
-  for (ProgramSet& set : programs_) {
-    free_one(const_cast<plan::Program*>(set.device[rank()]), "step list");
-    set.device[rank()] = nullptr;
+  DeviceGuard guard(device());
+  release_kernel_state(errors);
+  if (slab_ != nullptr) {
+    const cudaError_t err = cudaFree(slab_);
+    if (err != cudaSuccess) errors += " workspace: " + cuda_error_text(err) + ";";
   }
-  free_one(view_.claim, "claim word");
-  view_.claim = nullptr;
-  free_one(slab_, "workspace");
   slab_ = nullptr;
   view_.bases[rank()] = nullptr;
   if (!errors.empty()) throw std::runtime_error("release(): cudaFree failed:" + errors);
-}
-
-int CudaIpcWorkspace::install(const plan::Program& program) {
-  if (slab_ == nullptr) throw std::logic_error("add_program(): the workspace was freed");
-  // The kernels sit at their register budget; a second store pointer in the reduce loop
-  // spills at eight operands, so fused schedules (plan::fuse_forwarding_copies) are host-only.
-  for (int i = 0; i < program.num_steps; ++i) {
-    if (program.steps[i].num_dsts != 1) {
-      throw std::invalid_argument("rank " + std::to_string(rank()) + "'s program, step " +
-                                  std::to_string(i) +
-                                  ": the CUDA executor writes one destination per step; run the "
-                                  "schedule unfused");
-    }
-  }
-  ProgramSet set;
-  set.direction = program.direction;
-  DeviceGuard guard(device_);
-  set.device[rank()] = upload_program(program);
-  programs_.push_back(set);
-  return static_cast<int>(programs_.size()) - 1;
-}
-
-std::optional<std::string> CudaIpcWorkspace::transport_limits(const plan::Tactic& tactic) const {
-  return why_kernels_cannot_run(tactic, tactic.blocks, residency_);
-}
-
-void CudaIpcWorkspace::run(const Call& call) {
-  const void* inputs[plan::kMaxWorld] = {};
-  void* outputs[plan::kMaxWorld] = {};
-  inputs[rank()] = call.input;
-  outputs[rank()] = call.output;
-  const LaunchParams p =
-      make_launch_params(view_, programs_[call.program], call.dtype, call.blocks, call.threads,
-                         inputs, outputs, call.numel, call.signature, rank(), 1);
-  DeviceGuard guard(device_);
-  const auto stream = static_cast<cudaStream_t>(call.stream);
-  order_.before_call(stream);
-  if (!launch_executor(p, stream)) view_.pdl = false;  // refused: launched plainly, stay plain
-}
-
-std::optional<plan::Diagnostic> CudaIpcWorkspace::failure() const { return read_diag(diag_host_); }
-
-void CudaIpcWorkspace::probe_write(uint32_t nonce) {
-  if (!peers_open_) throw std::logic_error("probe_write(): open_peers() has not run");
-  DeviceGuard guard(device_);
-  const plan::Layout& l = view_.layout;
-  for (int p = 0; p < l.world; ++p) {
-    if (p == rank()) continue;
-    auto* dst = reinterpret_cast<uint32_t*>(view_.bases[p] +
-                                            l.slot_offset(0, plan::slot_from_rank(rank())));
-    check(launch_probe(dst, nonce, rank(), p), "launching the P2P probe to rank " + str(p));
-  }
-  check(cudaDeviceSynchronize(), "the P2P probe writes from rank " + str(rank()));
-}
-
-std::vector<int> CudaIpcWorkspace::probe_read(uint32_t nonce) const {
-  DeviceGuard guard(device_);
-  const plan::Layout& l = view_.layout;
-  std::vector<int> failed;
-  for (int q = 0; q < l.world; ++q) {
-    if (q == rank()) continue;
-    uint32_t words[kProbeWords];
-    check(cudaMemcpy(words, slab_ + l.slot_offset(0, plan::slot_from_rank(q)), sizeof(words),
-                     cudaMemcpyDeviceToHost),
-          "reading the P2P probe from rank " + str(q));
-    for (int i = 0; i < kProbeWords; ++i) {
-      if (words[i] != probe_word(nonce, q, rank(), i)) {
-        failed.push_back(q);
-        break;
-      }
-    }
-  }
-  return failed;
 }
 
 // ------------------------------------------------------------------ CudaLoopback
 
 CudaLoopback::CudaLoopback(const plan::Layout& layout, int device, uint64_t initial_gen,
                            double timeout_s)
-    : device_(device) {
+    : device_(device), initial_gen_(initial_gen) {
   require_device(device);
   plan::check_layout(layout);
   view_.layout = layout;
@@ -506,7 +530,9 @@ CudaLoopback::~CudaLoopback() {
     }
   }
   for (int r = 0; r < plan::kMaxWorld; ++r) {
-    if (slabs_[r] != nullptr && !external_[r]) cudaFree(slabs_[r]);
+    if (slabs_[r] != nullptr && pinned_[r]) cudaFreeHost(slabs_[r]);
+    if (slabs_[r] != nullptr && !external_[r] && !pinned_[r]) cudaFree(slabs_[r]);
+    if (counters_[r] != nullptr) cudaFree(counters_[r]);
   }
   if (view_.claim != nullptr) cudaFree(view_.claim);
   if (diag_host_ != nullptr) cudaFreeHost(diag_host_);
@@ -522,10 +548,48 @@ void CudaLoopback::use_external_slab(int rank, uint8_t* slab, uint64_t initial_g
   DeviceGuard guard(device_);
   initialize_slab(slab, view_.layout, initial_gen);
   check(cudaDeviceSynchronize(), "initialising an external loopback workspace");
-  if (!external_[rank]) check(cudaFree(slabs_[rank]), "freeing a loopback workspace");
+  if (pinned_[rank]) {
+    check(cudaFreeHost(slabs_[rank]), "freeing a loopback workspace in host memory");
+  } else if (!external_[rank]) {
+    check(cudaFree(slabs_[rank]), "freeing a loopback workspace");
+  }
+  if (counters_[rank] != nullptr) cudaFree(counters_[rank]);
+  counters_[rank] = nullptr;
+  view_.counters[rank] = nullptr;
+  pinned_[rank] = false;
   slabs_[rank] = slab;
   external_[rank] = true;
   view_.bases[rank] = slab;
+  view_.slots_in_host_memory = true;  // the caller's slabs are host memory (cuda_ipc.h)
+}
+
+void CudaLoopback::use_host_memory() {
+  DeviceGuard guard(device_);
+  const plan::Layout& layout = view_.layout;
+  const uint64_t initial_gen = initial_gen_;
+  for (int r = 0; r < layout.world; ++r) {
+    if (pinned_[r]) continue;
+    void* host = nullptr;
+    check(cudaHostAlloc(&host, layout.total_bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc of a loopback workspace in host memory");
+    void* device_view = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&device_view, host, 0);
+    if (err != cudaSuccess) {
+      cudaFreeHost(host);
+      check(err, "cudaHostGetDevicePointer of a loopback workspace");
+    }
+    auto* slab = static_cast<uint8_t*>(device_view);
+    initialize_slab(slab, layout, initial_gen);
+    if (!external_[r]) check(cudaFree(slabs_[r]), "freeing a loopback workspace");
+    slabs_[r] = static_cast<uint8_t*>(host);  // what cudaFreeHost takes
+    pinned_[r] = true;
+    external_[r] = false;
+    view_.bases[r] = slab;
+    counters_[r] = allocate_device_counters(layout, initial_gen);
+    view_.counters[r] = counters_[r];
+  }
+  view_.slots_in_host_memory = true;
+  check(cudaDeviceSynchronize(), "initialising the loopback workspaces in host memory");
 }
 
 int CudaLoopback::add_schedule(const plan::Schedule& schedule) {

@@ -51,10 +51,14 @@ namespace pcie_ar::transport {
 struct WorkspaceView {
   plan::Layout layout;
   std::array<uint8_t*, plan::kMaxWorld> bases{};
+  // Where each rank's generation counters live when not in its slab (LaunchParams::counters);
+  // null: the slab.
+  std::array<uint8_t*, plan::kMaxWorld> counters{};
   plan::Diagnostic* diag = nullptr;
   uint32_t* claim = nullptr;
   uint64_t timeout_ns = 0;
-  bool pdl = false;  // launch with programmatic dependent launch (pdl_enabled())
+  bool pdl = false;                   // launch with programmatic dependent launch (pdl_enabled())
+  bool slots_in_host_memory = false;  // any rank's slab is host memory (LaunchParams)
 };
 
 // One schedule's uploaded programs by rank (null where this process runs no such rank).
@@ -117,21 +121,18 @@ struct ResidencyTable {
 std::optional<std::string> why_kernels_cannot_run(const plan::Tactic& tactic, int ctas,
                                                   const ResidencyTable& residency);
 
-// One real rank's workspace: a cudaMalloc slab exported with a CUDA IPC handle, the peers'
-// slabs mapped into this process, the programs uploaded once, and a failure record in mapped
-// host memory. Teardown is collective: close_peers() on every rank, a barrier, release().
-class CudaIpcWorkspace final : public Workspace {
+// What both CUDA transports share: the programs uploaded once, the launches, the failure record
+// in mapped host memory, the residency limits and the write-and-verify probe. A subclass owns the
+// memory: it fills view_.bases (its own slab and, in open_peers(), the peers') and, when its slab
+// is far from the GPU, view_.counters[rank].
+class CudaKernelWorkspace : public Workspace {
  public:
-  CudaIpcWorkspace(const plan::Layout& layout, int rank, int device, uint64_t initial_gen,
-                   double timeout_s);
-  ~CudaIpcWorkspace() override;  // best-effort close_peers() + release(); never throws
+  ~CudaKernelWorkspace() override;  // frees what the base allocated; never throws
 
   int device() const override { return device_; }
 
-  std::string local_token() const override;  // cudaIpcMemHandle_t bytes of our slab
-  // tokens[r] is rank r's local_token(); ours is ignored. Maps every peer's slab.
-  void open_peers(const std::vector<std::string>& tokens) override;
-  // A kernel stores a pattern into each peer's slab with ordinary peer stores.
+  // A kernel stores a pattern into each peer's slab with ordinary stores (the path the
+  // all-reduce kernels use); probe_read() checks what arrived in our own slab.
   void probe_write(uint32_t nonce) override;
   std::vector<int> probe_read(uint32_t nonce) const override;
 
@@ -141,22 +142,50 @@ class CudaIpcWorkspace final : public Workspace {
   // The record a failed kernel left in mapped host memory; nullopt if none.
   std::optional<plan::Diagnostic> failure() const override;
 
-  void close_peers() override;  // peers unmap before owners free
-  void release() override;      // frees the slab and the uploaded programs; idempotent
+ protected:
+  // Checks the device and the rank, allocates the failure record and claim word, measures the
+  // residency table. Throws like require_device().
+  CudaKernelWorkspace(const plan::Layout& layout, int rank, int device, double timeout_s);
+  // Frees the uploaded programs and the claim word (the device half of release()); appends what
+  // failed to `errors`. Idempotent.
+  void release_kernel_state(std::string& errors);
+  // Best-effort close_peers() and release() for a subclass's destructor (the base destructor
+  // cannot reach the subclass's overrides). Never throws.
+  void teardown() noexcept;
+
+  WorkspaceView view_;
+  bool peers_open_ = false;
 
  private:
   int install(const plan::Program& program) override;
   std::optional<std::string> transport_limits(const plan::Tactic& tactic) const override;
 
-  WorkspaceView view_;
   int device_ = 0;
   ResidencyTable residency_;
-  bool peers_open_ = false;
-  uint8_t* slab_ = nullptr;
-  std::array<uint8_t*, plan::kMaxWorld> opened_{};  // peers' slabs we mapped
   plan::Diagnostic* diag_host_ = nullptr;
   std::vector<ProgramSet> programs_;
   StreamOrder order_;
+};
+
+// One real rank's workspace: a cudaMalloc slab exported with a CUDA IPC handle and the peers'
+// slabs mapped into this process (needs working P2P between every pair). Teardown is
+// collective: close_peers() on every rank, a barrier, release().
+class CudaIpcWorkspace final : public CudaKernelWorkspace {
+ public:
+  CudaIpcWorkspace(const plan::Layout& layout, int rank, int device, uint64_t initial_gen,
+                   double timeout_s);
+  ~CudaIpcWorkspace() override;  // best-effort close_peers() + release(); never throws
+
+  std::string local_token() const override;  // cudaIpcMemHandle_t bytes of our slab
+  // tokens[r] is rank r's local_token(); ours is ignored. Maps every peer's slab.
+  void open_peers(const std::vector<std::string>& tokens) override;
+
+  void close_peers() override;  // peers unmap before owners free
+  void release() override;      // frees the slab and the uploaded programs; idempotent
+
+ private:
+  uint8_t* slab_ = nullptr;
+  std::array<uint8_t*, plan::kMaxWorld> opened_{};  // peers' slabs we mapped
 };
 
 // N virtual ranks on one GPU in one process (tests and the device check program).
@@ -186,6 +215,12 @@ class CudaLoopback {
   // The most CTAs of this kernel the GPU keeps resident at once (blocks × ranks must fit).
   int max_resident_blocks(plan::DType dtype, plan::Direction direction, int threads) const;
 
+  // Puts every virtual rank's workspace where the cuda_host transport puts a real rank's: the
+  // slab in mapped pinned host memory (owned here), the generation counters in device memory.
+  // Every flag, LL word and data slot then crosses PCIe: what GPUs without P2P pay. Call it
+  // before the first launch.
+  void use_host_memory();
+
   // Whether launches use programmatic dependent launch (pdl_enabled(), and no refusal yet).
   bool pdl() const { return view_.pdl; }
 
@@ -193,6 +228,7 @@ class CudaLoopback {
   // e.g. mapped pinned host memory so that its flags and data cross PCIe) and initialises it
   // at `initial_gen`. The caller keeps ownership and frees it after this object. Every rank's
   // generation must agree: call it before the first launch, with the constructor's value.
+  // External slabs are taken to be host memory: push reads of slots then bypass L2.
   void use_external_slab(int rank, uint8_t* slab, uint64_t initial_gen);
 
   std::optional<plan::Diagnostic> failure() const;
@@ -208,9 +244,12 @@ class CudaLoopback {
 
   WorkspaceView view_;
   int device_ = 0;
+  uint64_t initial_gen_ = 0;
   ResidencyTable residency_;
   std::array<uint8_t*, plan::kMaxWorld> slabs_{};
-  std::array<bool, plan::kMaxWorld> external_{};  // slabs_[r] belongs to the caller
+  std::array<bool, plan::kMaxWorld> external_{};      // slabs_[r] belongs to the caller
+  std::array<bool, plan::kMaxWorld> pinned_{};        // slabs_[r] is our cudaHostAlloc memory
+  std::array<uint8_t*, plan::kMaxWorld> counters_{};  // device counters (use_host_memory())
   plan::Diagnostic* diag_host_ = nullptr;
   std::vector<Uploaded> schedules_;
   std::array<StreamOrder, plan::kMaxWorld> order_;  // per virtual rank

@@ -52,6 +52,11 @@ class HostShmWorkspace final : public Workspace {
 
   int device() const override { return -1; }
   const std::string& segment_name() const { return segment_name_; }
+  // Rank r's segment as mapped in this process (ours from construction, peers' from
+  // open_peers()), or null. Other transports reuse these segments (transport/shared_pinned.h).
+  uint8_t* mapped_base(int r) const {
+    return r >= 0 && r < static_cast<int>(bases_.size()) ? bases_[r] : nullptr;
+  }
 
   std::string local_token() const override { return segment_name_; }
   // Maps every peer's segment; tokens[r] is rank r's segment name and tokens[rank] must be ours.

@@ -9,6 +9,7 @@
 #include "transport/host_shm.h"
 
 #if defined(PCIE_AR_HAVE_CUDA)
+#include "transport/cuda_host.h"
 #include "transport/cuda_ipc.h"
 #endif
 
@@ -46,13 +47,18 @@ std::unique_ptr<Workspace> make_workspace(const WorkspaceOptions& o) {
     return std::make_unique<CudaIpcWorkspace>(layout(o.max_blocks), o.rank, o.device, o.initial_gen,
                                               o.timeout_s);
   }
+  if (o.transport == "cuda_host") {
+    return std::make_unique<CudaHostWorkspace>(layout(o.max_blocks), o.rank, o.device,
+                                               o.initial_gen, o.timeout_s);
+  }
 #else
-  if (o.transport == "cuda") {
-    throw std::runtime_error(
-        "the cuda transport was requested but pcie_allreduce was built without CUDA");
+  if (o.transport == "cuda" || o.transport == "cuda_host") {
+    throw std::runtime_error("the " + o.transport +
+                             " transport was requested but pcie_allreduce was built without CUDA");
   }
 #endif
-  throw std::invalid_argument("transport must be 'host' or 'cuda', got '" + o.transport + "'");
+  throw std::invalid_argument("transport must be 'host', 'cuda' or 'cuda_host', got '" +
+                              o.transport + "'");
 }
 
 }  // namespace pcie_ar::transport

@@ -4,6 +4,7 @@
 //
 //   host_shm   CPU processes over POSIX shared memory (CPU tensors; CI without GPUs)
 //   cuda_ipc   CUDA kernels over cudaMalloc slabs that peers map with CUDA IPC handles
+//   cuda_host  the same kernels over shared pinned host memory (GPUs without peer-to-peer)
 //
 // A new transport is a new file implementing Workspace plus one line in make_workspace().
 //
@@ -125,13 +126,13 @@ class Workspace {
 };
 
 struct WorkspaceOptions {
-  std::string transport = "host";  // "host" or "cuda"
+  std::string transport = "host";  // "host", "cuda" (cuda_ipc) or "cuda_host"
   int64_t max_numel = 0;           // the layout's (plan::make_layout)
   int world = 0;
   int elem_bytes = 2;
   int max_blocks = plan::kDefaultMaxBlocks;  // a transport may cap it
   int rank = 0;
-  int device = -1;           // CUDA device index (cuda)
+  int device = -1;           // CUDA device index (cuda, cuda_host)
   uint32_t initial_gen = 0;  // the first call runs initial_gen + 1 (tests cross the wrap)
   double timeout_s = 30.0;   // every wait's deadline; 0 waits forever
 };

@@ -48,6 +48,8 @@ def _timed(fn, iters: int, sync) -> float:
 
 
 _GRAPH_CALLS = 20  # calls captured per graph under --graph; times are per call
+# --transport values that run on GPUs: cuda (P2P, host memory if P2P fails), hostmem (forced).
+GPU_TRANSPORTS = ("cuda", "hostmem")
 
 
 def _graphed(fn, calls: int, device: torch.device):
@@ -82,7 +84,7 @@ class _Rank:
 def _set_up(rank: int, world: int, port: int, opts: Dict[str, Any], max_numel: int) -> _Rank:
     """Joins the process group and builds the communicator for `max_numel` elements."""
     torch.set_num_threads(1)
-    cuda = opts["transport"] == "cuda"
+    cuda = opts["transport"] in GPU_TRANSPORTS
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -96,7 +98,10 @@ def _set_up(rank: int, world: int, port: int, opts: Dict[str, Any], max_numel: i
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo") if cuda else group
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    ar = PcieAllReduce(group, device, max_numel=max_numel, table=opts["table"], cpu_group=cpu_group)
+    # --transport hostmem: the GPUs talk through shared pinned host memory even if P2P works.
+    forced = "hostmem" if opts["transport"] == "hostmem" else None
+    ar = PcieAllReduce(group, device, max_numel=max_numel, table=opts["table"], cpu_group=cpu_group,
+                       transport=forced)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     return _Rank(world, group, cpu_group, device, ar, sync)
 
@@ -172,6 +177,9 @@ def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) 
     max_numel = max(sizes) // elem
     max_numel += (-max_numel) % 8
     r = _set_up(rank, world, port, opts, max_numel)
+    if rank == 0:
+        s = r.ar.stats()
+        print(f"# communicator transport: {s['transport']} ({s['transport_detail']})", flush=True)
     rows = []
     for size in sizes:
         numel = size // elem
@@ -205,10 +213,10 @@ def _transport_and_world(args: argparse.Namespace, sizes: bool = True
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if transport == "auto":
         transport = "cuda" if gpus >= 2 else "host"
-    if transport == "cuda":
+    if transport in GPU_TRANSPORTS:
         if gpus < 2:
             return transport, 0, (
-                f"--transport cuda needs at least 2 GPUs, found {gpus}; "
+                f"--transport {transport} needs at least 2 GPUs, found {gpus}; "
                 "use --transport host on this machine"
             )
         world = min(gpus, 8) if args.world is None else args.world
@@ -220,8 +228,8 @@ def _transport_and_world(args: argparse.Namespace, sizes: bool = True
         return transport, world, f"--world must be in 2..8, got {world}"
     if not sizes:
         return transport, world, _tune_problem(args)
-    if args.graph and transport != "cuda":
-        return transport, world, "--graph needs --transport cuda"
+    if args.graph and transport not in GPU_TRANSPORTS:
+        return transport, world, "--graph needs --transport cuda or hostmem"
     return transport, world, _arguments_problem(args)
 
 
@@ -258,7 +266,7 @@ def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
 
 
 def _print_header(transport: str, world: int, dtype_name: str) -> None:
-    fallback = "nccl" if transport == "cuda" else "gloo"
+    fallback = "nccl" if transport in GPU_TRANSPORTS else "gloo"
     print(
         f"# pcie-allreduce bench: transport={transport} world={world} dtype={dtype_name} "
         f"fallback={fallback} host={platform.node()} cpus={os.cpu_count()} "

@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_topo)
 
     b = sub.add_parser("bench", help="ours vs the fallback, nccl-tests columns, verified")
-    b.add_argument("--transport", choices=["auto", "host", "cuda"], default="auto")
+    b.add_argument("--transport", choices=["auto", "host", "cuda", "hostmem"], default="auto",
+                   help="cuda: GPUs over P2P (host memory if the P2P check fails); hostmem: GPUs "
+                   "through shared pinned host memory even where P2P works")
     b.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, or 2 on host)")
     b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     b.add_argument("--min-bytes", type=_parse_bytes, default=_parse_bytes("1K"))
@@ -165,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=run_bench)
 
     u = sub.add_parser("tune", help="measure this host once and write its tuning cache")
-    u.add_argument("--transport", choices=["auto", "host", "cuda"], default="auto")
+    u.add_argument("--transport", choices=["auto", "host", "cuda", "hostmem"], default="auto",
+                   help="as for bench")
     u.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, or 2 on host)")
     u.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], action="append",
                    help="dtype to tune (repeat for several; default: bf16, fp16 and fp32)")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, tuning
-from .env import read_env
+from .env import parse_transport, read_env
 from .bootstrap import Bootstrap
 from .errors import PcieAllReduceTimeout
 from .plan import island_map
@@ -29,6 +29,8 @@ logger = logging.getLogger("pcie_allreduce")
 
 DEFAULT_ROWS = 64
 DEFAULT_HIDDEN = 8192
+# The tuning table's topology key on the cuda_host transport (GPUs without peer-to-peer).
+HOSTMEM_KEY = "hostmem"
 
 
 def _whole(name: str, value: Any) -> int:
@@ -156,6 +158,12 @@ class PcieAllReduce:
         cpu_group: a gloo group over the same ranks for bootstrapping (made if needed; making
             one is an unbounded torch collective, so engines pass the one they have).
         islands: ranks grouped by socket, overriding the probe (CPU tensors: NUMA nodes).
+        transport: CUDA tensors only: ``"auto"`` (peer-to-peer; when the P2P check fails on
+            any pair, every workspace moves to shared pinned host memory), ``"p2p"`` (decline
+            ``no_p2p`` instead) or ``"hostmem"`` (always host memory). None:
+            PCIE_ALLREDUCE_TRANSPORT, else auto. ``stats()["transport"]`` says which runs
+            (``cuda``: P2P, ``cuda_host``: host memory, ``host``: CPU tensors) and
+            ``stats()["transport_detail"]`` why.
     """
 
     def __init__(
@@ -174,8 +182,11 @@ class PcieAllReduce:
         islands: Optional[Sequence[Sequence[int]]] = None,
         initial_generation: int = 0,
         enabled: bool = True,
+        transport: Optional[str] = None,
     ) -> None:
         env = read_env()
+        self._mode = env.transport if transport is None else parse_transport(transport,
+                                                                             "transport")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -204,6 +215,8 @@ class PcieAllReduce:
             off = ("disabled", "PCIE_ALLREDUCE_ENABLE=0")
         off = self._meet(off)
         off = self._probe(opts, topology, islands, off)
+        if opts.transport == "cuda_host" and opts.topology_key != "nvlink":
+            opts.topology_key = HOSTMEM_KEY  # its own table rows and tuning cache
         self._fingerprint_fields = tuning.fingerprint_fields(
             opts.transport, self.world_size, opts.topology_key, list(opts.island_of),
             self._devices, self._driver, self._links,
@@ -214,9 +227,15 @@ class PcieAllReduce:
         self._table_source = opts.table_source
         self._opts = opts
         self._comm = _C.Communicator(opts)
-        self._connect()
-        if opts.transport == "cuda" and self._comm.enabled():
-            self._verify_p2p()
+        self._transport_detail = _first_detail(opts.transport, self._mode, transport is None)
+        if opts.transport == "host":
+            self._connect()
+        elif self._comm.enabled():
+            why = self._connect_gpus()
+            if why is not None and opts.transport == "cuda":
+                self._after_p2p_failure(opts, why)
+            elif why is not None:
+                self._comm.disable("no_p2p", f"{why} ({self._transport_detail})")
         self.handle = _C.register_communicator(self._comm)
         # The op overloads, looked up once: torch.ops attribute lookups cost about a
         # microsecond per call, which is a third of a small CPU all-reduce.
@@ -239,7 +258,10 @@ class PcieAllReduce:
         opts.world = self.world_size
         opts.max_numel = self.max_numel
         opts.dtypes = list(dtypes)
-        opts.transport = "cuda" if self.device.type == "cuda" else "host"
+        if self.device.type != "cuda":
+            opts.transport = "host"
+        else:
+            opts.transport = "cuda_host" if self._mode == "hostmem" else "cuda"
         opts.device = self.device.index if self.device.type == "cuda" else -1
         opts.timeout_s = self.timeout_s
         opts.initial_gen = int(initial_generation) & 0xFFFFFFFF
@@ -277,7 +299,7 @@ class PcieAllReduce:
         hosts turn the backend off. Returns the (reason, detail) the backend is off for."""
         opts.topology_key, opts.island_of = "host", island_map(self.world_size, islands)
         self._devices, self._driver, self._links = tuning.host_devices(), "", ""
-        if opts.transport != "cuda" or off[0] == "multi_host":
+        if self.device.type != "cuda" or off[0] == "multi_host":
             return off
         self._devices = [torch.cuda.get_device_name(self.device)] * self.world_size
         if islands is not None:
@@ -303,6 +325,7 @@ class PcieAllReduce:
             "max_numel": self.max_numel,
             "dtypes": sorted(dtypes),
             "transport": opts.transport,
+            "transport_mode": self._mode if self.device.type == "cuda" else "host",
             # A given table is compared by hash; without one, every rank takes rank 0's
             # reading of the host's cache (a file another server may be writing right now).
             "table_hash": _C.TuningTable.parse(opts.table_text, opts.table_source).hash()
@@ -340,22 +363,78 @@ class PcieAllReduce:
         self._boot.barrier("connected")
         self._comm.retire_token()
 
-    def _verify_p2p(self) -> None:
-        """Every rank writes a pattern into every peer's workspace and checks what arrived:
-        drivers report P2P that does not work, so only a real write is trusted."""
+    def _connect_gpus(self) -> Optional[str]:
+        """Every rank maps every peer's workspace and writes into it. None when every pair
+        works; else why not, the same text on every rank (a failure is gathered, not raised,
+        so that every rank takes the same next step)."""
+        tokens = self._boot.gather_bytes(self._comm.local_token(), "connect")
+        try:
+            self._comm.connect(tokens)
+            mine = None
+        except (RuntimeError, ValueError) as error:
+            mine = str(error)
+        errors: List[Optional[str]] = self._boot.gather(mine, "connected")
+        self._comm.retire_token()
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, error = failed[0]
+            return f"rank {r} cannot map its peers' workspaces ({error})"
+        broken = self._broken_pairs()
+        if broken:
+            pairs = ", ".join(f"rank {s} -> rank {d}" for s, d in broken[:8])
+            return f"peer writes did not arrive intact ({pairs})"
+        return None
+
+    def _broken_pairs(self) -> List[Tuple[int, int]]:
+        """The write-and-verify (collective): every rank writes a pattern into every peer's
+        workspace with the kernels' own stores and checks what arrived, because drivers report
+        P2P that does not work. Returns the (writer, reader) pairs that failed."""
         nonce = int.from_bytes(os.urandom(4), "little")
         nonce = self._boot.gather(nonce, "p2p check")[0]  # rank 0's
         self._comm.probe_write(nonce)
         self._boot.barrier("p2p written")
         everyone: List[List[int]] = self._boot.gather(self._comm.probe_read(nonce), "p2p read")
-        broken = [(src, dst) for dst, sources in enumerate(everyone) for src in sources]
-        if broken:
-            pairs = ", ".join(f"rank {s} -> rank {d}" for s, d in broken[:8])
+        return [(src, dst) for dst, sources in enumerate(everyone) for src in sources]
+
+    def _after_p2p_failure(self, opts: "_C.Options", why: str) -> None:
+        """P2P failed on some pair (every rank knows the same ``why``): move every workspace to
+        shared pinned host memory (the cuda_host transport), or, with transport ``p2p``,
+        decline ``no_p2p``. Collective."""
+        if self._mode == "p2p":
             self._comm.disable(
                 "no_p2p",
-                f"peer writes did not arrive intact ({pairs}); check the IOMMU/ACS settings "
-                "of the PCIe path between those GPUs",
+                f"{why}; check the IOMMU/ACS settings of the PCIe path between those GPUs "
+                "(transport p2p: host memory was not tried)",
             )
+            self._transport_detail = f"peer-to-peer failed: {why}"
+            return
+        self._comm.close_peers()
+        self._boot.barrier("p2p closed")
+        self._comm.release()
+        opts.transport, opts.topology_key = "cuda_host", HOSTMEM_KEY
+        self._fingerprint_fields = tuning.fingerprint_fields(
+            opts.transport, self.world_size, opts.topology_key, list(opts.island_of),
+            self._devices, self._driver, self._links,
+        )
+        self._fingerprint = tuning.fingerprint(self._fingerprint_fields)
+        if not self._table_given:  # this host's cache for the new transport, as rank 0 reads it
+            cache = self._boot.gather(self._read_cache() if self.rank == 0 else None,
+                                      "host memory table")[0]
+            opts.table_text, opts.table_source = (
+                (cache["text"], cache["source"]) if cache else ("", "embedded seed table"))
+            self._table_text = opts.table_text or _C.TuningTable.embedded_text()
+            self._table_source = opts.table_source
+        self._comm = _C.Communicator(opts)
+        self._transport_detail = (
+            f"peer-to-peer failed: {why}; every workspace is in shared pinned host memory")
+        again = self._connect_gpus()
+        if again is not None:
+            self._comm.disable("no_p2p", f"{why}; host memory failed too: {again}")
+            self._transport_detail = f"peer-to-peer and host memory failed: {again}"
+        elif self.rank == 0:
+            logger.warning("pcie_allreduce: %s (transport cuda_host; "
+                           "PCIE_ALLREDUCE_TRANSPORT=p2p declines instead)",
+                           self._transport_detail)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -390,6 +469,8 @@ class PcieAllReduce:
     def stats(self) -> Dict[str, Any]:
         s = dict(self._comm.stats())
         s["table_source"] = self._table_source
+        s["transport"] = self._opts.transport
+        s["transport_detail"] = self._transport_detail
         s["captures"] = self._captures
         s["fingerprint"] = self._fingerprint
         s["workspace_bytes"] = self.workspace_bytes
@@ -528,6 +609,17 @@ class PcieAllReduce:
             f"PcieAllReduce(rank={self.rank}, world={self.world_size}, device={self.device}, "
             f"max_numel={self.max_numel}, {state})"
         )
+
+
+def _first_detail(transport: str, mode: str, from_env: bool) -> str:
+    """stats()["transport_detail"] before any peer is reached."""
+    if transport == "host":
+        return "CPU tensors: every workspace in POSIX shared memory"
+    if transport == "cuda_host":
+        source = "PCIE_ALLREDUCE_TRANSPORT=hostmem" if from_env else "transport='hostmem'"
+        return f"{source}: every workspace in shared pinned host memory"
+    return ("peer-to-peer: every peer's GPU memory mapped with CUDA IPC" +
+            (" (transport p2p)" if mode == "p2p" else ""))
 
 
 def _disagreement(everyone: List[Dict[str, Any]]) -> tuple[str, str]:

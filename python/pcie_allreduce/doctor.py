@@ -5,10 +5,15 @@ An inference-server operator runs it once per host. It gathers, in order:
 1. the GPUs and their topology (NVML when ``pynvml`` imports, else ``nvidia-smi``), the NUMA
    node of every GPU, its islands and any NVLink pair;
 2. a real peer write-and-verify for every ordered GPU pair, in a subprocess (a faulting peer
-   write must not kill the doctor), cached per driver and set of GPUs;
-3. IOMMU/ACS hints from the kernel command line and the IOMMU groups (never fatal);
-4. which tuning table a communicator would use here, and whether this host has a cache;
-5. without GPUs: a real world-2 all-reduce on the host shared-memory transport;
+   write must not kill the doctor), cached per driver and set of GPUs; it always tests
+   peer-to-peer (transport="p2p"), whatever PCIE_ALLREDUCE_TRANSPORT says;
+3. the transport a communicator would use (PCIE_ALLREDUCE_TRANSPORT): peer-to-peer (``cuda``),
+   or shared pinned host memory (``cuda_host``) when P2P failed on some pair in auto mode or
+   host memory is forced; a P2P failure only blocks with PCIE_ALLREDUCE_TRANSPORT=p2p;
+4. IOMMU/ACS hints from the kernel command line and the IOMMU groups (never fatal);
+5. which tuning table a communicator would use here (for the transport it would use), and
+   whether this host has a cache;
+6. without GPUs: a real world-2 all-reduce on the host shared-memory transport;
 
 and ends with one verdict line. Exit status: 0 when the backend can run here, 1 when it
 cannot, 2 for a usage error (a bad ``--fixture`` directory).
@@ -38,6 +43,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from . import _C
 from . import plan as plan_mod
 from . import tuning
+from .env import parse_transport
 from .topology import run_nvidia_smi
 
 MAX_WORLD = 8  # the kernels serve groups of 2..8 ranks
@@ -47,7 +53,13 @@ HOST_TIMEOUT_S = 120.0  # the host-transport bench subprocess
 P2P_RESULT_TAG = "P2P_RESULT "
 P2P_CACHE_VERSION = 1
 _REPORTED_PAIRS_CAP = 8  # _verify_p2p names at most this many broken pairs
-_PROBE_ENV_DROP = ("CUDA_VISIBLE_DEVICES", "PCIE_ALLREDUCE_ENABLE", "PCIE_ALLREDUCE_TABLE")
+# The test subprocesses choose their own transport (the P2P test passes transport="p2p"); a
+# bad PCIE_ALLREDUCE_TRANSPORT is reported by the doctor itself, not as a crashed test.
+_PROBE_ENV_DROP = ("CUDA_VISIBLE_DEVICES", "PCIE_ALLREDUCE_ENABLE", "PCIE_ALLREDUCE_TABLE",
+                   "PCIE_ALLREDUCE_TRANSPORT")
+HOSTMEM_KEY = "hostmem"  # the table's topology key on the cuda_host transport
+_HOSTMEM_COST = ("slower per call than P2P (every flag poll is a PCIe round trip to host "
+                 "memory)")
 
 # nvmlDeviceGetTopologyCommonAncestor levels -> the classes of `nvidia-smi topo -m`.
 _NVML_LEVEL_CLASS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -678,7 +690,9 @@ def _recorded_p2p(recorded: Dict[str, Any], world: int) -> Dict[str, Any]:
 
 
 def _p2p_rank(rank: int, world: int, init_file: str, timeout_s: float, queue: Any) -> None:
-    """One rank of the P2P test: constructing the communicator runs the write-and-verify."""
+    """One rank of the P2P test: constructing the communicator runs the write-and-verify.
+    transport="p2p": a failed check declines no_p2p (auto would hide it by moving to host
+    memory)."""
     import torch
     import torch.distributed as dist
 
@@ -690,7 +704,7 @@ def _p2p_rank(rank: int, world: int, init_file: str, timeout_s: float, queue: An
 
         group = dist.group.WORLD
         ar = PcieAllReduce(group, torch.device("cuda", rank), max_numel=4096, cpu_group=group,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, transport="p2p")
         if rank == 0:
             queue.put({"enabled": ar.enabled, "reason": ar.disabled_reason})
         ar.destroy()
@@ -863,8 +877,11 @@ def fingerprint_links(inv: Inventory) -> str:
     return inv.topology.subset(list(range(inv.count))).fingerprint()
 
 
-def gpu_cache_report(system: System, inv: Inventory) -> Dict[str, Any]:
-    fields = tuning.fingerprint_fields("cuda", inv.count, inv.table_key, inv.island_of,
+def gpu_cache_report(system: System, inv: Inventory, transport: str = "cuda") -> Dict[str, Any]:
+    """This host's cache file for ``transport`` ("cuda", or "cuda_host" whose table key is
+    "hostmem"), as the communicator's rank 0 reads it."""
+    key = HOSTMEM_KEY if transport == "cuda_host" else inv.table_key
+    fields = tuning.fingerprint_fields(transport, inv.count, key, inv.island_of,
                                        [g["name"] for g in inv.gpus], fingerprint_driver(inv),
                                        links=fingerprint_links(inv))
     fp = tuning.fingerprint(fields)
@@ -887,15 +904,17 @@ def host_cache_reports(system: System) -> List[Dict[str, Any]]:
     return out
 
 
-def table_report(system: System, inv: Optional[Inventory]) -> Dict[str, Any]:
-    """Which table a communicator would use: PCIE_ALLREDUCE_TABLE, this host's cache, or the
-    embedded seed table."""
+def table_report(system: System, inv: Optional[Inventory],
+                 transport: str = "cuda") -> Dict[str, Any]:
+    """Which table a communicator would use: PCIE_ALLREDUCE_TABLE, this host's cache (for the
+    GPUs: the cache of ``transport``, the one the communicator would run), or the embedded seed
+    table."""
     seed = _C.TuningTable.parse(_C.TuningTable.embedded_text(), "embedded")
     report: Dict[str, Any] = {"cache_dir": str(system.cache_dir()),
                               "env_table": _env_table(system),
                               "embedded_rows": len(seed)}
     if inv is not None and inv.count >= 2:
-        report["gpu_cache"] = gpu_cache_report(system, inv)
+        report["gpu_cache"] = gpu_cache_report(system, inv, transport)
     report["host_caches"] = host_cache_reports(system)
     env_table = report["env_table"]
     gpu_cache = report.get("gpu_cache")
@@ -976,8 +995,76 @@ def _pairs_text(pairs: Sequence[Sequence[int]]) -> str:
     return ", ".join(f"GPU{s} -> GPU{d}" for s, d in pairs)
 
 
-def gpu_declines(inv: Inventory, p2p: Dict[str, Any]) -> List[Dict[str, str]]:
-    """Why a communicator over these GPUs would turn itself off (or could not be trusted)."""
+def _failing_text(p2p: Dict[str, Any]) -> str:
+    more = " (and possibly more: the list is cut at 8)" if p2p.get("truncated") else ""
+    return f"{_pairs_text(p2p['failing'])}{more}"
+
+
+def transport_mode(env: Mapping[str, str]) -> Tuple[str, Optional[str]]:
+    """(PCIE_ALLREDUCE_TRANSPORT as the communicator parses it, the error when it does not
+    parse: then every communicator raises at construction)."""
+    try:
+        return parse_transport(env.get("PCIE_ALLREDUCE_TRANSPORT")), None
+    except ValueError as error:
+        return "auto", str(error)
+
+
+def transport_report(inv: Optional[Inventory], p2p: Dict[str, Any], mode: str = "auto",
+                     error: Optional[str] = None) -> Dict[str, Any]:
+    """The transport a communicator over these GPUs would run, as ``stats()["transport"]``
+    names it: "cuda" (peer-to-peer), "cuda_host" (shared pinned host memory) or, without
+    GPUs, "host"; ``mode`` is PCIE_ALLREDUCE_TRANSPORT (auto, p2p, hostmem)."""
+    status = p2p.get("status")
+    if error is not None:
+        detail = f"{error}: every communicator raises at construction"
+        name = "host" if inv is None else "cuda"
+    elif inv is None:
+        name, detail = "host", "CPU tensors: every workspace in POSIX shared memory"
+    elif status in ("skipped", "not_applicable"):
+        name = "cuda_host" if mode == "hostmem" else "cuda"
+        detail = f"none in use: {p2p.get('detail', '')}"
+    elif mode == "hostmem":
+        name = "cuda_host"
+        detail = ("PCIE_ALLREDUCE_TRANSPORT=hostmem: every workspace in shared pinned host "
+                  f"memory (forced; peer-to-peer is not used), {_HOSTMEM_COST}")
+        if status == "ok":
+            detail += f"; P2P works on all {len(p2p['pairs'])} pairs tested"
+    elif status == "failed" and mode == "p2p":
+        name = "cuda"
+        detail = (f"P2P failed on {_failing_text(p2p)}, and PCIE_ALLREDUCE_TRANSPORT=p2p: the "
+                  "communicator declines no_p2p (host memory is not tried)")
+    elif status == "failed":
+        name = "cuda_host"
+        detail = (f"P2P failed on {_failing_text(p2p)}: the communicator moves every workspace "
+                  f"into shared pinned host memory, {_HOSTMEM_COST}; fixing the IOMMU/ACS "
+                  "settings of the PCIe path between those GPUs restores P2P "
+                  "(PCIE_ALLREDUCE_TRANSPORT=p2p declines no_p2p instead). The doctor does not "
+                  "test host memory: each communicator checks it when it is constructed")
+    elif status == "error" and mode != "p2p":
+        name = "cuda"
+        detail = ("peer-to-peer, unverified: the P2P test did not complete, so whether a "
+                  "communicator stays on P2P or moves to shared pinned host memory (cuda_host) "
+                  "is unknown")
+    elif status == "ok":
+        name = "cuda"
+        detail = (f"peer-to-peer: every peer's GPU memory mapped with CUDA IPC (verified on "
+                  f"{len(p2p['pairs'])} pairs)")
+    else:
+        name = "cuda"
+        detail = "peer-to-peer, if each communicator's own P2P check passes" + (
+            " (PCIE_ALLREDUCE_TRANSPORT=p2p: it declines no_p2p otherwise)" if mode == "p2p"
+            else "; otherwise shared pinned host memory (cuda_host)")
+    out = {"name": name, "mode": mode if error is None else "invalid", "detail": detail}
+    if error is not None:
+        out["error"] = error
+    return out
+
+
+def gpu_declines(inv: Inventory, p2p: Dict[str, Any],
+                 mode: str = "auto") -> List[Dict[str, str]]:
+    """Why a communicator over these GPUs would turn itself off (or could not be trusted).
+    Failing P2P pairs are a decline only with ``mode`` "p2p": otherwise the communicator runs
+    over host memory (cuda_host)."""
     out = []
     topo = inv.topology
     if topo is not None and topo.has_nvlink():
@@ -985,11 +1072,11 @@ def gpu_declines(inv: Inventory, p2p: Dict[str, Any]) -> List[Dict[str, str]]:
         out.append({"reason": "nvlink", "detail": f"NVLink present (GPU{a} and GPU{b}, "
                     f"{len(topo.nvlink_pairs())} pairs): the engine's own custom all-reduce is "
                     "faster there"})
-    if p2p.get("status") == "failed":
-        more = " (and possibly more: the list is cut at 8)" if p2p.get("truncated") else ""
+    if p2p.get("status") == "failed" and mode == "p2p":
         out.append({"reason": "no_p2p", "detail": "peer writes did not arrive intact: "
-                    f"{_pairs_text(p2p['failing'])}{more}"})
-    elif p2p.get("status") == "error":
+                    f"{_failing_text(p2p)}; PCIE_ALLREDUCE_TRANSPORT=p2p, so host memory is "
+                    "not tried"})
+    elif p2p.get("status") == "error" and mode != "hostmem":
         out.append({"reason": "no_p2p", "detail": p2p["detail"]})
     if inv.topology_error is not None:
         out.append({"reason": "topology", "detail": "`nvidia-smi topo -m` does not parse "
@@ -1010,9 +1097,31 @@ def _p2p_phrase(p2p: Dict[str, Any]) -> str:
     return "P2P not tested (each communicator still checks it when it is constructed)"
 
 
+def _transport_phrase(p2p: Dict[str, Any], transport: Dict[str, Any]) -> str:
+    """What follows the tactics in a "can run" verdict on host memory."""
+    if transport["mode"] == "hostmem":
+        line = (f"host memory is forced by PCIE_ALLREDUCE_TRANSPORT=hostmem, {_HOSTMEM_COST}")
+        if p2p.get("status") == "failed":
+            return line + f"; P2P fails anyway on {_failing_text(p2p)}"
+        if p2p.get("status") == "error":
+            return line + f"; P2P unknown: {p2p['detail']}"
+        works = " (transport auto would use it)" if p2p.get("status") == "ok" else ""
+        return line + f"; {_p2p_phrase(p2p)}{works}"
+    return (f"P2P failed on {_failing_text(p2p)}, so every workspace is in shared pinned host "
+            f"memory, {_HOSTMEM_COST}; fixing the IOMMU/ACS settings of the PCIe path between "
+            "those GPUs restores P2P (PCIE_ALLREDUCE_TRANSPORT=p2p declines no_p2p instead)")
+
+
 def gpu_verdict(inv: Inventory, p2p: Dict[str, Any], table: Dict[str, Any],
-                tactics: Dict[str, Any]) -> Tuple[bool, str, List[Dict[str, str]]]:
-    declines = gpu_declines(inv, p2p)
+                tactics: Dict[str, Any], transport: Optional[Dict[str, Any]] = None,
+                ) -> Tuple[bool, str, List[Dict[str, str]]]:
+    """(ok, verdict, declines); ``transport``: transport_report() (default: auto mode)."""
+    if transport is None:
+        transport = transport_report(inv, p2p)
+    declines = gpu_declines(inv, p2p, transport["mode"])
+    if transport.get("error"):
+        declines.append({"reason": "transport", "detail": f"{transport['error']}: "
+                         "communicators raise at construction"})
     env_table = table.get("env_table")
     if env_table is not None and not env_table["ok"]:
         declines.append({"reason": "table", "detail": f"PCIE_ALLREDUCE_TABLE "
@@ -1029,14 +1138,24 @@ def gpu_verdict(inv: Inventory, p2p: Dict[str, Any], table: Dict[str, Any],
         return False, f"pcie_allreduce cannot run here: {shape}; would decline: {reasons}", \
             declines
     usable = tactics["available"] or tactic_report(MAX_WORLD, [])["available"]
-    line = (f"pcie_allreduce can run here: {shape}, {_p2p_phrase(p2p)}, tactics: "
-            f"{', '.join(usable)}")
+    if transport["name"] == "cuda_host":
+        line = (f"pcie_allreduce can run here over shared pinned host memory (transport "
+                f"cuda_host): {shape}, tactics: {', '.join(usable)}; "
+                f"{_transport_phrase(p2p, transport)}")
+    else:
+        mode = " (PCIE_ALLREDUCE_TRANSPORT=p2p)" if transport["mode"] == "p2p" else ""
+        line = (f"pcie_allreduce can run here: {shape}, {_p2p_phrase(p2p)}{mode}, tactics: "
+                f"{', '.join(usable)}")
     if declines:
         line += f"; would decline: {reasons}"
     return True, line, declines
 
 
-def host_verdict(host: Dict[str, Any], table: Dict[str, Any]) -> Tuple[bool, str]:
+def host_verdict(host: Dict[str, Any], table: Dict[str, Any],
+                 transport_error: Optional[str] = None) -> Tuple[bool, str]:
+    if transport_error is not None:
+        return False, (f"no GPU found; the host transport cannot start: {transport_error} "
+                       "(communicators raise at construction)")
     env_table = table.get("env_table")
     if env_table is not None and not env_table["ok"]:
         return False, (f"no GPU found; the host transport cannot start: PCIE_ALLREDUCE_TABLE "
@@ -1058,22 +1177,27 @@ def run(system: System, *, p2p_test: bool = True,
         p2p_runner: Optional[P2PRunner] = None) -> Dict[str, Any]:
     """The whole diagnosis as one JSON-ready dict: ``ok`` and ``verdict``, then the sections."""
     inv = gather_inventory(system)
-    table = table_report(system, inv)
+    mode, mode_error = transport_mode(system.env)
     if inv is None:
+        p2p: Dict[str, Any] = {"status": "not_applicable"}
+        transport = transport_report(None, p2p, mode, mode_error)
+        table = table_report(system, inv)
         host = check_host_transport(system)
-        ok, verdict = host_verdict(host, table)
+        ok, verdict = host_verdict(host, table, mode_error)
         sections = dict(gpus={"count": 0, "probe": "none", "devices": [], "problems": []},
-                        topology={"known": False}, p2p={"status": "not_applicable"},
+                        topology={"known": False}, p2p=p2p, transport=transport,
                         iommu=iommu_report(system, None), table=table, host_transport=host,
                         tactics=tactic_report(2, []), declines=[])
     else:
         p2p = check_p2p(system, inv, skip=not p2p_test, runner=p2p_runner)
+        transport = transport_report(inv, p2p, mode, mode_error)
+        table = table_report(system, inv, transport["name"])
         tactics = tactic_report(inv.count, inv.island_of)
-        ok, verdict, declines = gpu_verdict(inv, p2p, table, tactics)
+        ok, verdict, declines = gpu_verdict(inv, p2p, table, tactics, transport)
         sections = dict(
             gpus={"count": inv.count, "probe": inv.probe, "driver": inv.driver,
                   "devices": inv.gpus, "problems": inv.problems},
-            topology=topology_report(inv), p2p=p2p,
+            topology=topology_report(inv), p2p=p2p, transport=transport,
             iommu=iommu_report(system, inv, p2p.get("failing", [])), table=table,
             host_transport={"status": "not_tested", "detail": "GPUs present: "
                             "`pcie-allreduce bench --transport host` checks it"},
@@ -1128,6 +1252,12 @@ def _print_p2p(p2p: Dict[str, Any]) -> None:
         print(f"  {status}: {p2p.get('detail', '')}")
 
 
+def _print_transport(transport: Dict[str, Any]) -> None:
+    print("\nTransport")
+    mode = "" if transport["name"] == "host" else f" (mode {transport['mode']})"
+    print(f"  {transport['name']}{mode}: {transport['detail']}")
+
+
 def _print_iommu(iommu: Dict[str, Any]) -> None:
     print("\nIOMMU / ACS")
     flags = " ".join(iommu["cmdline_flags"]) or "(no IOMMU flags)"
@@ -1175,6 +1305,7 @@ def print_text(report: Dict[str, Any]) -> None:
         print("GPUs: no GPU found (no NVML, no nvidia-smi GPUs, torch sees none)")
         host = report["host_transport"]
         print(f"\nHost shared-memory transport\n  {host['status']}: {host['detail']}")
+    _print_transport(report["transport"])
     _print_iommu(report["iommu"])
     _print_table(report["table"])
     _print_tactics(report["tactics"])
@@ -1190,8 +1321,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "doctor",
         help="can this backend run here, and if not, why not",
         description="Checks the GPUs, their topology and NVLink, a real peer write on every "
-        "GPU pair, IOMMU/ACS hints, the tuning table in use and (without GPUs) the host "
-        "transport, then prints a verdict. Exit status: 0 the backend can run here, 1 it "
+        "GPU pair, the transport a communicator would use (peer-to-peer, or shared pinned host "
+        "memory where P2P fails), IOMMU/ACS hints, the tuning table in use and (without GPUs) "
+        "the host transport, then prints a verdict. Exit status: 0 the backend can run here, 1 it "
         "cannot, 2 usage error.",
     )
     d.add_argument("--json", action="store_true", help="print one JSON object")

@@ -30,6 +30,10 @@ class Env:
     # PCIE_ALLREDUCE_HOST_REDUCE: the CPU reduce kernels (scalar, avx2, avx512); None: the
     # widest this CPU runs. Results are bit-identical whichever runs; only speed differs.
     host_reduce: Optional[str] = None
+    # PCIE_ALLREDUCE_TRANSPORT (CUDA tensors): "auto" uses peer-to-peer and moves to shared
+    # pinned host memory when the P2P check fails; "p2p" declines no_p2p instead; "hostmem"
+    # always uses host memory (hosts where P2P is slow, and testing).
+    transport: str = "auto"
 
 
 def _flag(env: Mapping[str, str], name: str, default: Optional[bool]) -> Optional[bool]:
@@ -104,6 +108,19 @@ def _host_reduce(env: Mapping[str, str]) -> Optional[str]:
     return None if value == "auto" else value
 
 
+TRANSPORTS = ("auto", "p2p", "hostmem")
+
+
+def parse_transport(raw: Optional[str], name: str = "PCIE_ALLREDUCE_TRANSPORT") -> str:
+    """One of TRANSPORTS (case and spaces ignored; unset or empty is auto), or ValueError."""
+    if raw is None or raw.strip() == "":
+        return "auto"
+    value = raw.strip().lower()
+    if value not in TRANSPORTS:
+        raise ValueError(f"{name} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
+    return value
+
+
 def integrations_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether the engine integrations may install themselves: PCIE_ALLREDUCE_ENABLE=1 only."""
     return read_env(env).enable is True
@@ -120,4 +137,5 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
         log_level=_log_level(env),
         disable_autotune=bool(_flag(env, "PCIE_ALLREDUCE_DISABLE_AUTOTUNE", False)),
         host_reduce=_host_reduce(env),
+        transport=parse_transport(env.get("PCIE_ALLREDUCE_TRANSPORT")),
     )

@@ -624,7 +624,7 @@ TEST(HostShm, TheFactoryCapsHostBlocksAndRejectsUnknownTransports) {
   EXPECT_EQ(ws->layout().max_blocks, HostShmWorkspace::kMaxBlocks);
   options.transport = "infiniband";
   EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { make_workspace(options); }),
-                       "transport must be 'host' or 'cuda', got 'infiniband'"));
+                       "transport must be 'host', 'cuda' or 'cuda_host', got 'infiniband'"));
 }
 
 TEST(HostShm, OpenPeersRejectsAPeerBuiltWithAnotherLayout) {

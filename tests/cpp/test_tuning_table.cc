@@ -2,6 +2,7 @@
 // cannot run are skipped with a reason, and malformed text is rejected naming the line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -331,6 +332,27 @@ TEST(TuningTable, EmbeddedSeedParsesAndSendsNvlinkToTheFallback) {
             Algorithm::kIslandTwoshot);
   EXPECT_EQ(pick(t, "flat", 4, DType::kFP16, 4096).tactic.algorithm, Algorithm::kOneshot);
   EXPECT_EQ(pick(t, "host", 4, DType::kFP32, 1 << 20).tactic.algorithm, Algorithm::kTwoshot);
+}
+
+TEST(TuningTable, EmbeddedSeedRunsGpusWithoutP2PThroughHostMemoryAtEverySize) {
+  const TuningTable t = TuningTable::embedded();
+  for (int world : {2, 4, 8}) {
+    // Decode sizes: LL one-shot, the tactic with one round trip to host memory per call.
+    const TableChoice decode = pick(t, "hostmem", world, DType::kBF16, 12 * 1024);
+    ASSERT_FALSE(decode.fallback) << world;
+    EXPECT_EQ(decode.tactic.algorithm, Algorithm::kOneshot);
+    EXPECT_EQ(decode.tactic.protocol, Protocol::kLL);
+    EXPECT_EQ(decode.tactic.direction, Direction::kPush);
+    // Its own rows decide (not the P2P estimates below them), at every size.
+    for (int64_t bytes : {int64_t{16}, int64_t{96 * 1024}, int64_t{1} << 20, int64_t{64} << 20}) {
+      const TableChoice c = pick(t, "hostmem", world, DType::kFP16, bytes);
+      EXPECT_FALSE(c.fallback) << world << " " << bytes;
+      const auto row = std::find_if(t.rows().begin(), t.rows().end(),
+                                    [&](const TableRow& r) { return r.line == c.line; });
+      ASSERT_NE(row, t.rows().end());
+      EXPECT_EQ(row->topology, "hostmem") << world << " " << bytes;
+    }
+  }
 }
 
 }  // namespace

@@ -7,10 +7,17 @@
 // graph, replays it 1000 times with inputs that change on every replay, and prints a latency
 // table. Loopback measures kernel and protocol overhead on one GPU, not PCIe; a second table
 // puts virtual rank 0's whole workspace in mapped pinned host memory, so every flag and LL
-// word it waits on, and everything peers send it, crosses the PCIe link.
+// word it waits on, and everything peers send it, crosses the PCIe link. A last pass puts every
+// virtual rank's workspace in mapped pinned host memory with the generation counters on the
+// GPU, the placement of the cuda_host transport (GPUs without P2P), and runs every schedule ×
+// dtype × size × shape with inputs that change on every call, graph replay, and (worlds 2 and
+// 4) a third latency table.
 //
 //   pcie_gpu_check                     correctness, graph replay, latency; exit 1 on failure
-//   pcie_gpu_check --quick             fewer sizes and shapes, no latency tables
+//   pcie_gpu_check --quick             fewer sizes and shapes, no latency tables, no host-memory
+//                                      passes
+//   pcie_gpu_check --hostmem-only      only the every-workspace-in-host-memory pass (with
+//                                      --no-latency or --quick: without its latency table)
 //   pcie_gpu_check --timeout-test      world 2, rank 1 withheld: expects a flag timeout
 //   pcie_gpu_check --mismatch-test     rank 0 reduces bf16, rank 1 fp16: expects a mismatch
 //   pcie_gpu_check --ll-timeout-test   the same two with the LL protocol: expects an LL
@@ -32,6 +39,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plan/layout.h"
@@ -435,6 +443,93 @@ void check_correctness(CudaLoopback& lb, const std::vector<Case>& cases,
   }
 }
 
+// Correctness with inputs that change on every call, for workspaces whose slots outlive a call
+// (every pass, but it matters most where the memory is far away). kVariants inputs per (dtype,
+// size), call n (counted across the whole pass) using variant n % kVariants: calls alternate
+// the workspace parity, so the call two before, whose slots, flags and LL words this one
+// reuses, always had other inputs (kVariants is odd), and a read of what it left there cannot
+// pass, as it could with check_correctness's one input per (dtype, size). Every schedule ×
+// dtype × size × shape (shapes_for) plus an in-place call; a shape is skipped only when its
+// CTAs cannot all be resident.
+void check_correctness_changing_inputs(CudaLoopback& lb, const std::vector<Case>& cases,
+                                       const std::vector<int>& ids, Buffers& buf,
+                                       const std::vector<int64_t>& sizes,
+                                       const std::string& where) {
+  constexpr int kVariants = 3;
+  const int world = buf.world;
+  const std::string prefix = "world " + std::to_string(world) + where;
+  const std::string key = prefix + " | correctness";
+  const std::string key_in_place = prefix + " | in-place";
+  const std::string key_inputs = prefix + " | inputs untouched";
+  uint64_t call = 0;
+  for (DType dtype : plan::kAllDTypes) {
+    const std::string dtype_name(plan::dtype_name(dtype));
+    for (int64_t bytes : sizes) {
+      std::vector<Data> variants;
+      variants.reserve(kVariants);
+      for (int v = 0; v < kVariants; ++v) {
+        variants.emplace_back(world, dtype, bytes,
+                              0xC4A9E000ull + world * 1000 + bytes +
+                                  static_cast<uint64_t>(dtype) * 7919 + v * 104729ull);
+      }
+      int last = -1;  // the variant buf.in holds
+      // Stream-ordered uploads: the launch that follows on buf.stream sees them.
+      auto next_inputs = [&]() -> const Data& {
+        last = static_cast<int>(call++ % kVariants);
+        for (int r = 0; r < world; ++r) {
+          CHECK_CUDA(cudaMemcpyAsync(buf.in[r], variants[last].inputs[r].data(), bytes,
+                                     cudaMemcpyHostToDevice, buf.stream));
+        }
+        return variants[last];
+      };
+      for (size_t k = 0; k < cases.size(); ++k) {
+        const Case& c = cases[k];
+        if (c.ll && bytes > lb.layout().ll_capacity_bytes) {  // the communicator declines it
+          tally(key).skip++;
+          continue;
+        }
+        std::vector<std::pair<Shape, bool>> runs;  // (shape, in place)
+        for (Shape shape : shapes_for(lb, c, dtype, world, false)) runs.push_back({shape, false});
+        runs.push_back({Shape{16, 512}, true});
+        for (const auto& [shape, in_place] : runs) {
+          const std::string& k_tally = in_place ? key_in_place : key;
+          if (shape.blocks * world >
+              lb.max_resident_blocks(dtype, c.schedule.direction, shape.threads)) {
+            tally(k_tally).skip++;
+            continue;
+          }
+          const Data& data = next_inputs();
+          const std::string what = prefix + " " + c.label + " " + dtype_name + " " +
+                                   size_label(bytes) + " b" + std::to_string(shape.blocks) + " t" +
+                                   std::to_string(shape.threads) + (in_place ? " in-place" : "") +
+                                   " call " + std::to_string(call - 1);
+          (run_and_check(lb, ids[k], c, data, buf, shape, in_place, what) ? tally(k_tally).pass
+                                                                          : tally(k_tally).fail)++;
+        }
+      }
+      if (last < 0) continue;
+      // No schedule may write the caller's input (the last call's is still there).
+      bool untouched = true;
+      for (int r = 0; r < world; ++r) {
+        CHECK_CUDA(
+            cudaMemcpyAsync(buf.host[r], buf.in[r], bytes, cudaMemcpyDeviceToHost, buf.stream));
+      }
+      CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+      for (int r = 0; r < world; ++r) {
+        if (std::memcmp(buf.host[r], variants[last].inputs[r].data(), bytes) != 0) {
+          report(prefix + " " + dtype_name + " " + size_label(bytes) + ": rank " +
+                 std::to_string(r) + "'s input was modified by a non-in-place all-reduce");
+          untouched = false;
+        }
+      }
+      (untouched ? tally(key_inputs).pass : tally(key_inputs).fail)++;
+    }
+    std::printf("%s %s: done (%llu calls so far)\n", prefix.c_str(), dtype_name.c_str(),
+                static_cast<unsigned long long>(call));
+    std::fflush(stdout);
+  }
+}
+
 // ------------------------------------------------------------------ graph replay
 
 struct RankPointers {
@@ -472,10 +567,11 @@ __global__ void fill_inputs(RankPointers inputs, int world, int64_t numel,
 // Captured after the all-reduce: the next replay sees new inputs.
 __global__ void bump(uint32_t* counter) { *counter += 1; }
 
+// `where` ("" or " hostmem") goes into the tally key and the failure lines.
 void check_graph_replay(CudaLoopback& lb, const std::vector<Case>& cases,
-                        const std::vector<int>& ids, Buffers& buf) {
+                        const std::vector<int>& ids, Buffers& buf, const std::string& where = "") {
   const int world = buf.world;
-  const std::string key = "world " + std::to_string(world) + " | graph replay x1000";
+  const std::string key = "world " + std::to_string(world) + where + " | graph replay x1000";
   const int64_t bytes = 96 * 1024;
   const int64_t numel = bytes / 2;
   uint32_t* counter = nullptr;
@@ -486,7 +582,7 @@ void check_graph_replay(CudaLoopback& lb, const std::vector<Case>& cases,
   for (size_t k = 0; k < cases.size(); ++k) {
     const Case& c = cases[k];
     const plan::Tactic tactic = tactic_of(c, 8, 256);
-    const std::string what = "world " + std::to_string(world) + " " + c.label + " graph";
+    const std::string what = "world " + std::to_string(world) + where + " " + c.label + " graph";
     CHECK_CUDA(cudaMemset(counter, 0, sizeof(uint32_t)));
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
@@ -719,6 +815,55 @@ void run_world_host_mapped(int world, std::vector<std::string>& latency_table) {
   std::fflush(stdout);
 }
 
+// Sets g_loopback for one pass and clears it however the pass ends.
+struct LoopbackScope {
+  explicit LoopbackScope(const CudaLoopback& lb) { g_loopback = &lb; }
+  ~LoopbackScope() { g_loopback = nullptr; }
+  LoopbackScope(const LoopbackScope&) = delete;
+  LoopbackScope& operator=(const LoopbackScope&) = delete;
+};
+
+// Every virtual rank's workspace where the cuda_host transport (GPUs without peer-to-peer) puts
+// a real rank's: the slab in mapped pinned host memory, the generation counters in device
+// memory (CudaLoopback::use_host_memory()). Every flag, LL word and data slot then crosses the
+// GPU's PCIe link, both ways; the kernels are the same. Correctness for every schedule × dtype
+// × size × shape with inputs that change on every call (check_correctness_changing_inputs),
+// graph replay ×1000 per schedule, then (with `latency`) the latency table at 1/12/96/384 KiB.
+void run_world_hostmem(int world, bool latency, std::vector<std::string>& table) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t max_bytes = 384 * 1024;  // the latency table's largest message
+  // elem_bytes 4 so one workspace serves every dtype; max_numel counts bf16 elements.
+  CudaLoopback lb(plan::make_layout(max_bytes / 2, world, 4), 0, kInitialGen, kTimeoutS);
+  lb.use_host_memory();  // before any schedule or launch
+  const LoopbackScope scope(lb);
+  const int64_t ll_capacity = lb.layout().ll_capacity_bytes;
+  std::vector<int64_t> sizes = {16, 1024 + 16, 12 * 1024, 96 * 1024};
+  if (ll_capacity <= max_bytes &&
+      std::find(sizes.begin(), sizes.end(), ll_capacity) == sizes.end()) {
+    sizes.push_back(ll_capacity);  // the largest LL message
+  }
+  Buffers buf(world, max_bytes);
+  const std::vector<Case> cases = cases_for(world);
+  std::vector<int> ids;
+  for (const Case& c : cases) ids.push_back(lb.add_schedule(c.schedule));
+  std::printf(
+      "world %d, every workspace in host memory (%.1f MiB each): %zu schedules, LL capacity %s, "
+      "PDL %s\n",
+      world, static_cast<double>(lb.layout().total_bytes) / (1 << 20), cases.size(),
+      size_label(ll_capacity).c_str(), lb.pdl() ? "on" : "off");
+  std::fflush(stdout);
+
+  check_correctness_changing_inputs(lb, cases, ids, buf, sizes, " hostmem");
+  check_graph_replay(lb, cases, ids, buf, " hostmem");
+  if (latency) {
+    measure_latency(lb, cases, ids, buf, {1024, 12 * 1024, 96 * 1024, 384 * 1024},
+                    "every workspace in host memory (cuda_host)", table);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("world %d (every workspace in host memory) finished in %.1f s\n", world, s);
+  std::fflush(stdout);
+}
+
 // ------------------------------------------------------------------ failure paths
 
 plan::Tactic two_rank_tactic(Protocol protocol, int blocks) {
@@ -845,6 +990,8 @@ void print_device() {
 int main(int argc, char** argv) {
   bool quick = false;
   bool latency = true;
+  bool hostmem_only = false;
+  bool worlds_given = false;
   std::vector<int> worlds = {2, 4, 8};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -862,11 +1009,14 @@ int main(int argc, char** argv) {
       latency = false;
     } else if (arg == "--no-latency") {
       latency = false;
+    } else if (arg == "--hostmem-only") {
+      hostmem_only = true;
     } else if (arg.rfind("--world=", 0) == 0) {
       worlds = {std::atoi(arg.c_str() + 8)};
+      worlds_given = true;
     } else {
       std::printf(
-          "usage: %s [--quick] [--no-latency] [--world=N] | --timeout-test | "
+          "usage: %s [--quick] [--no-latency] [--world=N] [--hostmem-only] | --timeout-test | "
           "--mismatch-test | --ll-timeout-test | --ll-mismatch-test\n",
           argv[0]);
       return 2;
@@ -876,10 +1026,12 @@ int main(int argc, char** argv) {
     pcie_ar::transport::require_device(0);
     print_device();
     std::vector<std::string> latency_table;
-    for (int world : worlds) run_world(world, quick, latency, latency_table);
     std::vector<std::string> host_table;
-    if (latency) {
-      for (int world : worlds) run_world_host_mapped(world, host_table);
+    if (!hostmem_only) {
+      for (int world : worlds) run_world(world, quick, latency, latency_table);
+      if (latency) {
+        for (int world : worlds) run_world_host_mapped(world, host_table);
+      }
     }
     if (!latency_table.empty()) {
       std::printf(
@@ -891,6 +1043,27 @@ int main(int argc, char** argv) {
           "\n==== latency, virtual rank 0's workspace in mapped host memory (its flags, LL "
           "slots and incoming data cross PCIe) ====");
       for (const std::string& line : host_table) std::printf("%s\n", line.c_str());
+    }
+    // Every workspace in host memory (the cuda_host placement), after the tables above are
+    // printed (a trap here ends the process): not in --quick runs unless asked for; world 8's
+    // latency table (the slowest) only with --world=8.
+    std::vector<std::string> hostmem_table;
+    if (!quick || hostmem_only) {
+      std::fflush(stdout);
+      for (int world : worlds) {
+        try {
+          run_world_hostmem(world, latency && (world <= 4 || worlds_given), hostmem_table);
+        } catch (const std::exception& e) {  // a CUDA error exits in CHECK_CUDA instead
+          std::printf("FATAL (world %d, every workspace in host memory): %s\n", world, e.what());
+          tally("world " + std::to_string(world) + " hostmem | fatal exception").fail++;
+        }
+      }
+    }
+    if (!hostmem_table.empty()) {
+      std::printf(
+          "\n==== latency, every workspace in mapped host memory (the cuda_host transport's "
+          "placement: all flags, LL words and data cross PCIe) ====");
+      for (const std::string& line : hostmem_table) std::printf("%s\n", line.c_str());
     }
   } catch (const std::exception& e) {
     std::printf("FATAL: %s\n", e.what());

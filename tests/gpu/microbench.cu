@@ -6,13 +6,21 @@
 // Host memory is pinned and mapped (cudaHostAlloc), so every access to it crosses this GPU's
 // real PCIe link: the one PCIe-true measurement a single GPU can make.
 //
+// Last, the baseline the cuda_host transport (GPUs without P2P) must beat: a plain all-reduce
+// through pinned host memory with copies, W virtual ranks on this GPU: every rank's input
+// copied to the host, a CPU reduce, the result copied back to every rank; and the single round
+// trips it is made of (one D2H + sync, one H2D + sync).
+//
 //   pcie_gpu_microbench            prints one table per experiment; exit 0 unless CUDA fails
+//                                  or the copy baseline's sum is wrong
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -190,6 +198,194 @@ void launch_table() {
   CHECK(cudaStreamDestroy(stream));
 }
 
+// ------------------------------------------------------------------ pinned-copy baseline
+
+constexpr int kCopyWarmup = 20;
+constexpr int kCopyCalls = 400;
+
+struct Spread {
+  double p10, median, p90;
+};
+
+// Nearest-rank percentiles of `v` (microseconds).
+Spread spread(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))]; };
+  return {at(0.10), at(0.50), at(0.90)};
+}
+
+double us_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
+float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The CPU half of the baseline: accumulate in fp32 in rank order, round once to bf16.
+void cpu_reduce_bf16(const std::vector<uint16_t*>& in, int64_t numel, uint16_t* out) {
+  const int world = static_cast<int>(in.size());
+  for (int64_t i = 0; i < numel; ++i) {
+    float acc = bf16_to_float(in[0][i]);
+    for (int r = 1; r < world; ++r) acc += bf16_to_float(in[r][i]);
+    out[i] = float_to_bf16(acc);
+  }
+}
+
+// Rank r's element i: m/16 with m in [-15, 15], exact in bf16, and so is a sum of up to 8.
+int sixteenths(int r, int64_t i) { return static_cast<int>((r * 7 + i * 13) % 31) - 15; }
+
+// One all-reduce of `world` virtual ranks' bf16 inputs through pinned host memory, per call:
+// cudaMemcpyAsync device -> pinned host of every rank's input, stream sync, CPU reduce (fp32,
+// rank order, one rounding), cudaMemcpyAsync host -> device of the result to every rank's
+// output, stream sync. Returns false (after printing why) if the sum is wrong.
+bool copy_baseline_row(int world, int64_t bytes, cudaStream_t stream) {
+  const int64_t numel = bytes / 2;
+  std::vector<uint16_t*> dev_in(world), dev_out(world), host_in(world);
+  uint16_t* host_out = nullptr;
+  std::vector<uint16_t> init(numel);
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaMalloc(&dev_in[r], bytes));
+    CHECK(cudaMalloc(&dev_out[r], bytes));
+    CHECK(cudaMallocHost(&host_in[r], bytes));
+    for (int64_t i = 0; i < numel; ++i) init[i] = float_to_bf16(sixteenths(r, i) / 16.0f);
+    CHECK(cudaMemcpy(dev_in[r], init.data(), bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(dev_out[r], 0xFF, bytes));
+  }
+  CHECK(cudaMallocHost(&host_out, bytes));
+  std::vector<double> total, d2h, reduce, h2d;
+  for (int call = 0; call < kCopyWarmup + kCopyCalls; ++call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < world; ++r) {
+      CHECK(cudaMemcpyAsync(host_in[r], dev_in[r], bytes, cudaMemcpyDeviceToHost, stream));
+    }
+    CHECK(cudaStreamSynchronize(stream));
+    const double t_d2h = us_since(t0);
+    cpu_reduce_bf16(host_in, numel, host_out);
+    const double t_reduce = us_since(t0);
+    for (int r = 0; r < world; ++r) {
+      CHECK(cudaMemcpyAsync(dev_out[r], host_out, bytes, cudaMemcpyHostToDevice, stream));
+    }
+    CHECK(cudaStreamSynchronize(stream));
+    const double t_total = us_since(t0);
+    if (call >= kCopyWarmup) {
+      total.push_back(t_total);
+      d2h.push_back(t_d2h);
+      reduce.push_back(t_reduce - t_d2h);
+      h2d.push_back(t_total - t_reduce);
+    }
+  }
+  // Every rank's output must be the exact sum (sixteenths add exactly).
+  bool ok = true;
+  for (int r = 0; r < world && ok; ++r) {
+    CHECK(cudaMemcpy(init.data(), dev_out[r], bytes, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < numel; ++i) {
+      int want = 0;
+      for (int q = 0; q < world; ++q) want += sixteenths(q, i);
+      if (bf16_to_float(init[i]) != want / 16.0f) {
+        std::printf("FAIL copy baseline world %d %lld B: rank %d element %lld = %g, expected %g\n",
+                    world, static_cast<long long>(bytes), r, static_cast<long long>(i),
+                    bf16_to_float(init[i]), want / 16.0);
+        ok = false;
+        break;
+      }
+    }
+  }
+  const Spread t = spread(total);
+  std::printf("%6d %9lld %9.1f %9.1f %9.1f %11.1f %11.1f %11.1f\n", world,
+              static_cast<long long>(bytes), t.median, t.p10, t.p90, spread(d2h).median,
+              spread(reduce).median, spread(h2d).median);
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaFree(dev_in[r]));
+    CHECK(cudaFree(dev_out[r]));
+    CHECK(cudaFreeHost(host_in[r]));
+  }
+  CHECK(cudaFreeHost(host_out));
+  return ok;
+}
+
+// One copy of `bytes` between a device buffer and a pinned host buffer, then a stream sync:
+// microseconds per round trip.
+Spread single_copy_us(int64_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
+  void* dev = nullptr;
+  void* host = nullptr;
+  CHECK(cudaMalloc(&dev, bytes));
+  CHECK(cudaMallocHost(&host, bytes));
+  CHECK(cudaMemset(dev, 0, bytes));
+  std::memset(host, 0, bytes);
+  std::vector<double> samples;
+  for (int call = 0; call < kCopyWarmup + kCopyCalls; ++call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (kind == cudaMemcpyDeviceToHost) {
+      CHECK(cudaMemcpyAsync(host, dev, bytes, kind, stream));
+    } else {
+      CHECK(cudaMemcpyAsync(dev, host, bytes, kind, stream));
+    }
+    CHECK(cudaStreamSynchronize(stream));
+    if (call >= kCopyWarmup) samples.push_back(us_since(t0));
+  }
+  CHECK(cudaFree(dev));
+  CHECK(cudaFreeHost(host));
+  return spread(samples);
+}
+
+// Sync of an idle stream: what each of the baseline's two waits costs at least.
+Spread idle_sync_us(cudaStream_t stream) {
+  std::vector<double> samples;
+  for (int call = 0; call < kCopyWarmup + kCopyCalls; ++call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(cudaStreamSynchronize(stream));
+    if (call >= kCopyWarmup) samples.push_back(us_since(t0));
+  }
+  return spread(samples);
+}
+
+bool copy_baseline_table() {
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::printf(
+      "\n# pinned-memory copy all-reduce baseline, bf16, W virtual ranks on this GPU, one stream "
+      "(us per all-reduce, host clock; %d calls after %d warm-up)\n"
+      "# per call: W x cudaMemcpyAsync D2H to pinned host, sync, CPU reduce (fp32, rank order, "
+      "one rounding), W x cudaMemcpyAsync H2D of the result, sync\n",
+      kCopyCalls, kCopyWarmup);
+  std::printf("%6s %9s %9s %9s %9s %11s %11s %11s\n", "W", "bytes", "median", "p10", "p90",
+              "D2H+sync", "CPU reduce", "H2D+sync");
+  bool ok = true;
+  for (int world : {2, 4}) {
+    for (int64_t bytes : {int64_t{1024}, int64_t{12 * 1024}, int64_t{96 * 1024}}) {
+      ok = copy_baseline_row(world, bytes, stream) && ok;
+    }
+  }
+  std::printf(
+      "\n# the round trips it is made of: one copy + stream sync (us, median / p10 / p90)\n");
+  std::printf("%-26s %9s %9s %9s\n", "", "median", "p10", "p90");
+  for (int64_t bytes : {int64_t{1024}, int64_t{12 * 1024}, int64_t{96 * 1024}}) {
+    for (cudaMemcpyKind kind : {cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice}) {
+      const Spread t = single_copy_us(bytes, kind, stream);
+      char label[64];
+      std::snprintf(label, sizeof(label), "%s %lld B + sync",
+                    kind == cudaMemcpyDeviceToHost ? "D2H" : "H2D", static_cast<long long>(bytes));
+      std::printf("%-26s %9.1f %9.1f %9.1f\n", label, t.median, t.p10, t.p90);
+    }
+  }
+  const Spread idle = idle_sync_us(stream);
+  std::printf("%-26s %9.1f %9.1f %9.1f\n", "sync of an idle stream", idle.median, idle.p10,
+              idle.p90);
+  CHECK(cudaStreamDestroy(stream));
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -212,5 +408,6 @@ int main() {
   CHECK(cudaFree(results));
   CHECK(cudaFreeHost(host));
   CHECK(cudaFree(local));
-  return 0;
+  const bool copies_ok = copy_baseline_table();
+  return copies_ok ? 0 : 1;
 }

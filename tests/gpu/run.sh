@@ -2,10 +2,13 @@
 # The device check: the one script a machine with a GPU runs, from the repository root.
 # Builds the check program for sm_90 (no torch, no GoogleTest), records the GPU, runs the
 # loopback correctness / graph-replay / latency check (flag and LL protocols, programmatic
-# dependent launch on; latency also with one virtual rank's workspace in host memory), a quick
-# pass with PDL off, then the four failure paths (each traps its kernel, which kills the CUDA
-# context, so each runs in its own process), the torch-level check, a loopback tune and doctor.
-# Logs go to $OUT.
+# dependent launch on; latency also with one virtual rank's workspace in host memory, and a
+# last pass with every virtual rank's workspace in mapped host memory, the cuda_host
+# transport's placement: correctness with inputs changing every call, graph replay, latency),
+# the microbenchmarks (with the pinned-memory copy baseline), a quick pass with PDL off, then
+# the four failure paths (each traps its kernel, which kills the CUDA context, so each runs in
+# its own process), the torch-level checks (cuda_ipc, then cuda_host), a loopback tune and
+# doctor. Logs go to $OUT.
 # Exits non-zero if any step fails; every step runs even after an earlier failure.
 set -o pipefail
 set -u
@@ -48,12 +51,15 @@ step "nvidia-smi" nvidia-smi.log nvidia-smi
 nvidia-smi topo -m > "$OUT/nvidia-smi-topo.log" 2>&1 || true
 
 # Correctness for every schedule x direction x staging x dtype x size x shape, graph replay
-# x1000 per tactic, latency table. A protocol bug traps after 10 s instead of hanging; the
-# outer timeout is the last resort.
+# x1000 per tactic, latency table; then the same with every workspace in mapped host memory
+# (the cuda_host placement; latency at worlds 2 and 4). `--hostmem-only` reruns just that pass.
+# A protocol bug traps after 10 s instead of hanging; the outer timeout is the last resort.
 step "loopback check" gpu_check.log timeout 420 "$BUILD/pcie_gpu_check"
 
 # What the latency model assumes, measured: a system fence after local and after host-memory
-# (PCIe) writes, serial vs parallel flag polls, the graph launch floor with and without PDL.
+# (PCIe) writes, serial vs parallel flag polls, the graph launch floor with and without PDL;
+# and the baseline cuda_host must beat: an all-reduce by pinned-memory copies and a CPU reduce
+# (W = 2, 4; 1/12/96 KiB bf16), with the single D2H / H2D round trips it is made of.
 step "microbenchmarks" microbench.log timeout 60 "$BUILD/pcie_gpu_microbench"
 
 # The plain launch path: world 2, fewer sizes, no latency tables.
@@ -76,6 +82,11 @@ wait "$torch_build"
 echo "==== build torch extension: $(tail -n 1 "$OUT/torch_build.log") ===="
 tail -n 20 "$OUT/torch_build.log"
 step "torch check" torch_check.log timeout 300 python3 tests/gpu/torch_check.py
+# The cuda_host transport (GPUs without P2P) through PcieAllReduce: forced (transport="hostmem")
+# over every table x dtype x size, graph replay, the automatic switch after a (faked) failed P2P
+# check, the timeout path, and nothing left in /dev/shm; two then four processes share the GPU
+# (time-sliced: correctness and behaviour, not latency).
+step "hostmem check" hostmem_check.log timeout 240 python3 tests/gpu/hostmem_check.py
 step "topo" topo.log python3 -m pcie_allreduce topo
 # The tuner under graph replay in loopback (two ranks on the one GPU), and doctor's verdict.
 step "tune check" tune_check.log timeout 300 python3 tests/gpu/tune_check.py

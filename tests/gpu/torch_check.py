@@ -43,7 +43,7 @@ def check(out: torch.Tensor, world: int, numel: int, name: str, seed: int = 0) -
 
 
 def body(rank: int, world: int) -> list[str]:
-    from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
+    from pcie_allreduce import PcieAllReduce
 
     lines = []
     dev = torch.device("cuda", 0)
@@ -123,27 +123,10 @@ def body(rank: int, world: int) -> list[str]:
         except ValueError as error:
             assert "this communicator all-reduces tensors on cuda:0" in str(error), error
         lines.append(f"PASS declines: {ar.stats()['declines']}")
-    # Timeout: rank 1 never calls; rank 0's kernel traps and names it. A trapped kernel leaves
-    # the CUDA context unusable (freeing a tensor then aborts the process), so rank 0 reports
-    # and exits without releasing anything.
+    # Timeout: rank 1 never calls; rank 0's kernel traps and names it (two_ranks.timeout_path).
     ar = PcieAllReduce(None, dev, max_numel=1024, timeout_s=2.0,
                        table=TABLES["oneshot/push/staged"])
-    dist.barrier()
-    if rank == 1:
-        time.sleep(8)
-        lines.append("PASS timeout (rank 1 withheld its call)")
-        return lines
-    x = rank_input(rank, 1024, torch.bfloat16).to(dev)
-    start = time.monotonic()
-    try:
-        out = ar.all_reduce(x)
-        ar.synchronize()
-        lines.append(f"FAIL no timeout ({out.shape})")
-    except PcieAllReduceTimeout as e:
-        took = time.monotonic() - start
-        verdict = "PASS" if e.peer == 1 and e.diagnostic.get("kind") == "timeout" else "FAIL"
-        lines.append(f"{verdict} timeout after {took:.1f} s: {type(e).__name__}: {e}")
-    two_ranks.finish(rank, lines)
+    return two_ranks.timeout_path(rank, ar, dev, lines)
 
 
 def main() -> int:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
-from typing import Callable, List
+from typing import Any, Callable, List
 
 import torch
 import torch.distributed as dist
@@ -59,3 +60,31 @@ def run(body: Body, name: str, world: int = 2, timeout_s: float = 300.0) -> int:
             ok = ok and "FAIL" not in text
     print(f"{name}:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def timeout_path(rank: int, ar: Any, dev: torch.device, lines: List[str]) -> List[str]:
+    """The timeout path at world 2 on a communicator with timeout_s 2: rank 1 never calls, so
+    rank 0's kernel traps within the timeout and raises PcieAllReduceTimeout naming peer 1. A
+    trapped kernel leaves the CUDA context unusable (freeing a tensor then aborts the process),
+    so rank 0 reports and exits here without releasing anything; rank 1 returns its lines."""
+    from pcie_allreduce import PcieAllReduceTimeout
+    from pcie_allreduce.testing import rank_input
+
+    dist.barrier()
+    if rank == 1:
+        time.sleep(8)
+        lines.append("PASS timeout (rank 1 withheld its call)")
+        return lines
+    x = rank_input(rank, 1024, torch.bfloat16).to(dev)
+    start = time.monotonic()
+    try:
+        out = ar.all_reduce(x)
+        ar.synchronize()
+        lines.append(f"FAIL no timeout ({out.shape})")
+    except PcieAllReduceTimeout as e:
+        took = time.monotonic() - start
+        ok = e.peer == 1 and e.diagnostic.get("kind") == "timeout" and 1.5 <= took < 10.0
+        lines.append(f"{'PASS' if ok else 'FAIL'} timeout after {took:.1f} s (timeout_s 2; "
+                     f"expected peer 1, kind timeout): {type(e).__name__}: {e}")
+    finish(rank, lines)
+    return lines  # not reached: finish() exits

@@ -73,14 +73,18 @@ def test_bench_on_the_host_transport_verifies_and_prints_the_table(tmp_path):
     assert all(r["wrong"] == 0 for r in result["rows"])
     assert all(r["fallback_us"] > 0 and r["time_us"] > 0 for r in result["rows"])
     assert "verified" in done.stdout
+    assert "# communicator transport: host (CPU tensors: every workspace in POSIX shared " \
+        "memory)" in done.stdout
 
 
 def test_bench_refuses_cuda_without_gpus_or_bad_arguments():
     import torch
 
     if torch.cuda.device_count() < 2:
-        done = run_cli("bench", "--transport", "cuda")
-        assert done.returncode == 2 and "needs at least 2 GPUs" in done.stderr
+        for transport in ("cuda", "hostmem"):
+            done = run_cli("bench", "--transport", transport)
+            assert done.returncode == 2, done.stderr
+            assert f"--transport {transport} needs at least 2 GPUs" in done.stderr
     done = run_cli("bench", "--transport", "host", "--world", "9")
     assert done.returncode == 2 and "2..8" in done.stderr
 

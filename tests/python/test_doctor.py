@@ -48,6 +48,14 @@ def copy_fixture(name: str, tmp_path: Path) -> Path:
     return dest
 
 
+def fixture_with_transport(name: str, tmp_path: Path, transport: str) -> Path:
+    """A copy of a recorded host whose environment sets PCIE_ALLREDUCE_TRANSPORT (a fixture's
+    environment is its ``env`` file, never this process's)."""
+    dest = copy_fixture(name, tmp_path)
+    (dest / "env").write_text(f"PCIE_ALLREDUCE_TRANSPORT={transport}\n")
+    return dest
+
+
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """No test reads or writes the caller's own tuning cache or sees their table."""
@@ -55,6 +63,7 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PCIE_ALLREDUCE_CACHE_DIR", str(cache))
     monkeypatch.delenv("PCIE_ALLREDUCE_TABLE", raising=False)
     monkeypatch.delenv("PCIE_ALLREDUCE_ENABLE", raising=False)
+    monkeypatch.delenv("PCIE_ALLREDUCE_TRANSPORT", raising=False)
     return cache
 
 
@@ -73,8 +82,10 @@ def test_two_socket_pcie_host_can_run_with_island_algorithms(capsys):
     assert {"island_oneshot", "island_twoshot"} <= set(report["tactics"]["available"])
     assert report["iommu"]["mode"] == "passthrough" and report["iommu"]["hints"] == []
     assert report["declines"] == []
+    assert report["transport"]["name"] == "cuda" and report["transport"]["mode"] == "auto"
+    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda-w8-")
     verdict = report["verdict"]
-    assert verdict.startswith("pcie_allreduce can run here")
+    assert verdict.startswith("pcie_allreduce can run here: ")
     assert "islands-2x4" in verdict and "2 islands of 4" in verdict and "56 pairs" in verdict
     assert "island_twoshot" in verdict
 
@@ -88,8 +99,8 @@ def test_nvlink_host_declines_and_skips_the_p2p_test(capsys):
     assert report["p2p"]["status"] == "skipped"
 
 
-def test_failing_p2p_pairs_are_named_with_iommu_and_acs_hints(capsys):
-    fixture = FIXTURES / "p2p_blocked_4gpu"
+def test_failing_p2p_pairs_decline_no_p2p_with_transport_p2p(capsys, tmp_path):
+    fixture = fixture_with_transport("p2p_blocked_4gpu", tmp_path, "p2p")
     recorded = json.loads((fixture / "p2p.json").read_text())["failing"]
     code, report = run_json(capsys, "--fixture", str(fixture))
     assert code == 1 and report["ok"] is False
@@ -97,9 +108,37 @@ def test_failing_p2p_pairs_are_named_with_iommu_and_acs_hints(capsys):
     failed = {(p["src"], p["dst"]) for p in report["p2p"]["pairs"] if p["status"] == "failed"}
     assert failed == {tuple(p) for p in recorded}
     assert [d["reason"] for d in report["declines"]] == ["no_p2p"]
+    assert report["verdict"].startswith("pcie_allreduce cannot run here")
+    assert "PCIE_ALLREDUCE_TRANSPORT=p2p" in report["verdict"]
+    assert report["transport"]["name"] == "cuda" and report["transport"]["mode"] == "p2p"
+    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda-w4-")
     for writer, reader in recorded:
         assert f"GPU{writer} -> GPU{reader}" in report["verdict"]
     assert "GPU0 -> GPU1" not in report["verdict"]  # the pair behind one switch works
+    assert any("PCIe switch" in h and "ACS" in h for h in report["iommu"]["hints"])
+
+
+def test_failing_p2p_pairs_move_to_host_memory_in_auto_mode(capsys):
+    fixture = FIXTURES / "p2p_blocked_4gpu"
+    recorded = json.loads((fixture / "p2p.json").read_text())["failing"]
+    code, report = run_json(capsys, "--fixture", str(fixture))
+    assert code == 0 and report["ok"] is True
+    assert report["declines"] == []  # host memory is not a decline
+    assert report["transport"]["name"] == "cuda_host" and report["transport"]["mode"] == "auto"
+    assert report["p2p"]["status"] == "failed"  # the P2P section still names the pairs
+    assert sorted(report["p2p"]["failing"]) == sorted(recorded)
+    verdict = report["verdict"]
+    assert verdict.startswith("pcie_allreduce can run here over shared pinned host memory "
+                              "(transport cuda_host)")
+    for writer, reader in recorded:
+        assert f"GPU{writer} -> GPU{reader}" in verdict
+        assert f"GPU{writer} -> GPU{reader}" in report["transport"]["detail"]
+    assert "GPU0 -> GPU1" not in verdict
+    assert "slower per call than P2P" in verdict and "PCIe round trip" in verdict
+    assert "IOMMU/ACS" in verdict and "restores P2P" in verdict
+    assert "no_p2p" not in [d["reason"] for d in report["declines"]]
+    # The cache the communicator reads on host memory, not the P2P one.
+    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda_host-w4-")
     iommu = report["iommu"]
     assert iommu["mode"] == "translated" and "intel_iommu=on" in iommu["cmdline_flags"]
     assert iommu["groups"] == 12 and iommu["group_types"] == {"DMA-FQ": 12}
@@ -130,15 +169,69 @@ def test_no_gpu_fixture_reports_the_recorded_host_transport(capsys, tmp_path):
     assert "Permission denied" in report["verdict"] and "no GPU found" in report["verdict"]
 
 
-def test_text_mode_prints_sections_and_the_verdict_last(capsys):
+def test_text_mode_prints_sections_and_the_verdict_last(capsys, tmp_path):
     code, out, _ = run_doctor(capsys, "--fixture", str(FIXTURES / "p2p_blocked_4gpu"))
-    assert code == 1
-    for heading in ("GPUs (nvidia-smi", "Topology", "P2P write-and-verify", "IOMMU / ACS",
-                    "Tuning table", "Tactics (world 4)"):
+    assert code == 0
+    for heading in ("GPUs (nvidia-smi", "Topology", "P2P write-and-verify", "Transport",
+                    "IOMMU / ACS", "Tuning table", "Tactics (world 4)"):
         assert heading in out
     assert "NVIDIA L40S" in out
+    assert "\nTransport\n  cuda_host (mode auto): P2P failed on GPU0 -> GPU2" in out
     last = out.rstrip("\n").splitlines()[-1]
-    assert last.startswith("verdict: pcie_allreduce cannot run here")
+    assert last.startswith("verdict: pcie_allreduce can run here over shared pinned host memory")
+
+    code, out, _ = run_doctor(
+        capsys, "--fixture", str(fixture_with_transport("p2p_blocked_4gpu", tmp_path, "p2p")))
+    assert code == 1
+    assert "\nTransport\n  cuda (mode p2p): P2P failed on" in out
+    assert out.rstrip("\n").splitlines()[-1].startswith("verdict: pcie_allreduce cannot run here")
+
+
+def test_forced_host_memory_uses_cuda_host_even_where_p2p_works(capsys, tmp_path):
+    fixture = fixture_with_transport("two_socket_8gpu", tmp_path, "hostmem")
+    code, report = run_json(capsys, "--fixture", str(fixture))
+    assert code == 0 and report["ok"] is True and report["declines"] == []
+    assert report["p2p"]["status"] == "ok"
+    assert report["transport"]["name"] == "cuda_host"
+    assert report["transport"]["mode"] == "hostmem"
+    assert "forced" in report["transport"]["detail"]
+    verdict = report["verdict"]
+    assert "transport cuda_host" in verdict and "forced by PCIE_ALLREDUCE_TRANSPORT=hostmem" \
+        in verdict
+    assert "slower per call than P2P" in verdict and "island_twoshot" in verdict
+    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda_host-w8-")
+
+    # Forced host memory never tries P2P: a failing pair does not block either.
+    fixture = fixture_with_transport("p2p_blocked_4gpu", tmp_path / "blocked", "hostmem")
+    code, report = run_json(capsys, "--fixture", str(fixture))
+    assert code == 0 and report["declines"] == []
+    assert report["transport"]["name"] == "cuda_host"
+    assert "forced by PCIE_ALLREDUCE_TRANSPORT=hostmem" in report["verdict"]
+
+
+def test_a_bad_transport_setting_blocks_because_communicators_raise(capsys, tmp_path):
+    fixture = fixture_with_transport("two_socket_8gpu", tmp_path, "nvlink-please")
+    code, report = run_json(capsys, "--fixture", str(fixture))
+    assert code == 1 and report["ok"] is False
+    assert [d["reason"] for d in report["declines"]] == ["transport"]
+    assert "nvlink-please" in report["verdict"] and "PCIE_ALLREDUCE_TRANSPORT" in report["verdict"]
+    assert report["transport"]["mode"] == "invalid"
+
+    fixture = fixture_with_transport("no_gpu", tmp_path / "cpu", "nvlink-please")
+    code, report = run_json(capsys, "--fixture", str(fixture))
+    assert code == 1 and "nvlink-please" in report["verdict"]
+    assert report["transport"]["name"] == "host"
+
+
+def test_the_live_system_reads_the_transport_from_the_environment(monkeypatch):
+    assert doctor.transport_mode(doctor.LiveSystem().env) == ("auto", None)
+    monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", " P2P ")
+    assert doctor.transport_mode(doctor.LiveSystem().env) == ("p2p", None)
+    monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", "hostmem")
+    assert doctor.transport_mode(doctor.LiveSystem().env) == ("hostmem", None)
+    monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", "ipc")
+    mode, error = doctor.transport_mode(doctor.LiveSystem().env)
+    assert error is not None and "'ipc'" in error
 
 
 def test_fixture_without_p2p_record_is_not_tested_and_no_p2p_test_flag_is_accepted(
@@ -272,6 +365,30 @@ def test_host_cache_report_tells_valid_foreign_and_corrupt(private_cache):
     assert "checksum" in next(c["problem"] for c in table["host_caches"] if c["world"] == 4)
 
 
+@pytest.mark.parametrize("name, transport", [("two_socket_8gpu", "hostmem"),
+                                             ("p2p_blocked_4gpu", "auto")])
+def test_gpu_cache_on_host_memory_is_the_cuda_host_one(capsys, tmp_path, name, transport):
+    """Where the communicator would run on host memory (forced, or P2P failed in auto mode),
+    the doctor reports the cache file it reads: transport cuda_host, table key hostmem."""
+    fixture = fixture_with_transport(name, tmp_path, transport)
+    lines = (fixture / "query_gpu.csv").read_text().splitlines()
+    names = [line.split(", ")[1] for line in lines]
+    driver = f"driver {lines[0].split(', ')[-1]}, cuda {torch.version.cuda}"
+    topo = _C.Topology.from_nvidia_smi((fixture / "nvidia_smi_topo.txt").read_text())
+    island_of = list(topo.island_of()) if len(topo.islands()) > 1 else []
+    fields = tuning.fingerprint_fields("cuda_host", topo.world, "hostmem", island_of, names,
+                                       driver, topo.subset(list(range(topo.world))).fingerprint())
+    fp = tuning.fingerprint(fields)
+    _, before = run_json(capsys, "--fixture", str(fixture))
+    assert before["table"]["gpu_cache"] == {
+        "fingerprint": fp, "path": str(fixture / "cache" / f"{fp}.csv"), "status": "missing"}
+
+    write_valid_cache(fixture / "cache" / f"{fp}.csv", fp, fields)
+    _, after = run_json(capsys, "--fixture", str(fixture))
+    assert after["table"]["gpu_cache"]["status"] == "valid"
+    assert f"{fp}.csv" in after["table"]["in_use"]
+
+
 def test_gpu_cache_for_this_host_is_found_by_its_fingerprint(capsys, tmp_path):
     fixture = copy_fixture("two_socket_8gpu", tmp_path)
     lines = (fixture / "query_gpu.csv").read_text().splitlines()
@@ -365,9 +482,14 @@ def test_p2p_failures_are_parsed_per_pair_and_cached(tmp_path):
     again = doctor.check_p2p(system, inv, skip=True, runner=fake_runner(None, calls))
     assert calls == [8]  # not run again
     assert again["source"] == "cached" and again["failing"] == first["failing"]
-    verdict = doctor.gpu_verdict(inv, again, doctor.table_report(system, inv),
-                                 doctor.tactic_report(8, inv.island_of))
-    assert verdict[0] is False and "GPU1 -> GPU5" in verdict[1]
+    table = doctor.table_report(system, inv)
+    tactics = doctor.tactic_report(8, inv.island_of)
+    p2p_only = doctor.transport_report(inv, again, "p2p")
+    ok, text, declines = doctor.gpu_verdict(inv, again, table, tactics, p2p_only)
+    assert ok is False and "GPU1 -> GPU5" in text and [d["reason"] for d in declines] == [
+        "no_p2p"]
+    ok, text, declines = doctor.gpu_verdict(inv, again, table, tactics)  # auto
+    assert ok is True and "GPU1 -> GPU5" in text and "cuda_host" in text and declines == []
 
 
 def test_p2p_cache_is_keyed_by_driver_bus_ids_and_names(tmp_path):
@@ -419,11 +541,75 @@ def test_a_failed_p2p_test_is_reported_and_never_cached(tmp_path, kind):
     assert not Path(result["cache_file"]).exists()
     declines = doctor.gpu_declines(inv, result)
     assert [d["reason"] for d in declines] == ([] if kind == "other_reason" else ["no_p2p"])
+    assert doctor.gpu_declines(inv, result, "hostmem") == []  # P2P is never tried there
+
+
+@pytest.mark.parametrize("transport, ok, name, declines", [
+    ("auto", True, "cuda_host", []),
+    ("p2p", False, "cuda", ["no_p2p"]),
+    ("hostmem", True, "cuda_host", []),
+])
+def test_a_tested_p2p_failure_leads_where_the_transport_setting_says(
+        tmp_path, transport, ok, name, declines):
+    fixture = fixture_with_transport("two_socket_8gpu", tmp_path, transport)
+    (fixture / "p2p.json").unlink()
+    calls: List[int] = []
+    runner = fake_runner({"enabled": False, "reason": no_p2p_reason([(0, 4), (4, 0)])}, calls)
+    report = doctor.run(RunnableFixture(fixture), p2p_runner=runner)
+    assert calls == [8] and report["p2p"]["status"] == "failed"
+    assert report["ok"] is ok and report["transport"]["name"] == name
+    assert [d["reason"] for d in report["declines"]] == declines
+    assert "GPU0 -> GPU4" in report["verdict"] and "GPU4 -> GPU0" in report["verdict"]
+    assert report["table"]["gpu_cache"]["fingerprint"].startswith(f"{name}-w8-")
+
+
+class _FakeQueue(list):
+    def put(self, item: Any) -> None:
+        self.append(item)
+
+
+def test_the_p2p_subprocess_tests_peer_to_peer_whatever_the_environment(monkeypatch):
+    """Each rank constructs its communicator with transport="p2p": in auto mode a failed
+    check would move to host memory and stay enabled, hiding the failure."""
+    import pcie_allreduce.communicator as communicator
+    import torch.distributed as dist
+
+    made: List[Dict[str, Any]] = []
+
+    class FakeAllReduce:
+        """Behaves like the communicator on a host whose peer writes do not arrive."""
+
+        def __init__(self, group: Any, device: Any, **kwargs: Any) -> None:
+            made.append(kwargs)
+            mode = kwargs.get("transport") or os.environ.get("PCIE_ALLREDUCE_TRANSPORT", "auto")
+            self.enabled = mode != "p2p"  # auto and hostmem run over host memory
+            self.disabled_reason = None if self.enabled else no_p2p_reason([(0, 1), (1, 0)])
+
+        def destroy(self) -> None:
+            pass
+
+    monkeypatch.setattr(communicator, "PcieAllReduce", FakeAllReduce)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    for env in (None, "auto", "hostmem"):
+        if env is None:
+            monkeypatch.delenv("PCIE_ALLREDUCE_TRANSPORT", raising=False)
+        else:
+            monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", env)
+        queue = _FakeQueue()
+        doctor._p2p_rank(0, 2, "/nonexistent/rendezvous", 5.0, queue)
+        assert made[-1]["transport"] == "p2p"
+        assert queue == [{"enabled": False, "reason": no_p2p_reason([(0, 1), (1, 0)])}]
+        out = doctor.P2P_RESULT_TAG + json.dumps(queue[0]) + "\n"
+        result = doctor.interpret_p2p_run(2, doctor.RunResult(0, out), 5.0)
+        assert result["status"] == "failed" and result["failing"] == [[0, 1], [1, 0]]
 
 
 def test_p2p_subprocess_sees_every_gpu_in_bus_order_with_the_backend_on():
     env = doctor.probe_env({"CUDA_VISIBLE_DEVICES": "1", "PCIE_ALLREDUCE_ENABLE": "0",
-                            "PCIE_ALLREDUCE_TABLE": "x.csv", "PATH": "/bin"})
+                            "PCIE_ALLREDUCE_TABLE": "x.csv", "PATH": "/bin",
+                            "PCIE_ALLREDUCE_TRANSPORT": "bogus"})
     assert env == {"PATH": "/bin", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     argv = doctor.p2p_probe_command(4, 30.0)
     assert argv[0] == sys.executable and argv[-2:] == ["4", "30.0"]

@@ -17,6 +17,13 @@ def test_host_reduce_names_the_kernels_or_auto():
     assert read_env({"PCIE_ALLREDUCE_HOST_REDUCE": " AVX2 "}).host_reduce == "avx2"
 
 
+def test_transport_is_auto_p2p_or_hostmem():
+    assert read_env({}).transport == "auto"
+    assert read_env({"PCIE_ALLREDUCE_TRANSPORT": ""}).transport == "auto"
+    assert read_env({"PCIE_ALLREDUCE_TRANSPORT": " HostMem "}).transport == "hostmem"
+    assert read_env({"PCIE_ALLREDUCE_TRANSPORT": "p2p"}).transport == "p2p"
+
+
 def test_values_parse():
     e = read_env({
         "PCIE_ALLREDUCE_ENABLE": "1",
@@ -36,6 +43,7 @@ def test_values_parse():
         ("PCIE_ALLREDUCE_ENABLE", "maybe", "must be 1/0"),
         ("PCIE_ALLREDUCE_LOG_LEVEL", "loud", "0/1/2"),
         ("PCIE_ALLREDUCE_HOST_REDUCE", "sse2", "one of auto, scalar, avx2, avx512, got 'sse2'"),
+        ("PCIE_ALLREDUCE_TRANSPORT", "nvlink", "one of auto, p2p, hostmem, got 'nvlink'"),
     ],
 )
 def test_bad_values_say_what_was_expected(name, value, expect):

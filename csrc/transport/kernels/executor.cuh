@@ -311,6 +311,12 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
       plan::slice_range(c.num_vecs, c.num_chunks, step.chunk, static_cast<int>(gridDim.x), c.block);
   if (touches_ll(step)) {
     reduce_n<T, D, true>(p, c, step_index, step, range);
+  } else if (D == plan::Direction::kPush && p.slots_in_host_memory) {
+    // A push rank reads its own slots, which peers wrote this call. In device memory L2 is
+    // where those writes land; in host memory (cuda_host) L2 may still hold the line from the
+    // previous call of this parity, so read like pull operands: ld.cv re-fetches system-memory
+    // lines. Direction only selects the loads in reduce_n.
+    reduce_n<T, plan::Direction::kPull, false>(p, c, step_index, step, range);
   } else {
     reduce_n<T, D, false>(p, c, step_index, step, range);
   }
@@ -371,12 +377,12 @@ __device__ __forceinline__ int run_length(const plan::Program& program, int s, i
   return end - s;
 }
 
-// End of the call, own workspace only (plan/protocol.h): every generation counter of this
-// CTA's residue class takes this call's generation. Flags need nothing.
+// End of the call, own counters only (plan/protocol.h): every generation counter of this CTA's
+// residue class takes this call's generation. Flags need nothing.
 __device__ __forceinline__ void finish_call(const LaunchParams& p, const Call& c) {
   const int stride = static_cast<int>(gridDim.x);
   const int my_blocks = (p.layout.max_blocks - c.block + stride - 1) / stride;
-  uint8_t* own = p.bases[c.rank];
+  uint8_t* own = p.counters[c.rank];
   for (int i = threadIdx.x; i < my_blocks; i += blockDim.x) {
     store_volatile_u64(own + p.layout.gen_counter_offset(c.block + i * stride), c.gen);
   }
@@ -402,7 +408,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   wait_for_previous_grid();
   // Written only by this CTA at the end of the previous call (an earlier kernel). Every thread
   // reads it before the barrier below; this call writes it after its last step.
-  c.gen = load_volatile_u64(p.bases[c.rank] + p.layout.gen_counter_offset(c.block)) + 1u;
+  c.gen = load_volatile_u64(p.counters[c.rank] + p.layout.gen_counter_offset(c.block)) + 1u;
   c.parity = plan::gen_parity(c.gen);
   c.ll_tag = plan::ll_tag(c.gen, static_cast<uint32_t>(p.numel), p.signature);
   c.num_vecs = p.numel * static_cast<int64_t>(sizeof(T)) / plan::kVectorBytes;

@@ -24,6 +24,10 @@ inline constexpr int kWarpThreads = 32;
 struct LaunchParams {
   plan::Layout layout;
   uint8_t* bases[plan::kMaxWorld] = {};  // every rank's slab, as this process addresses it
+  // Where each launched rank's generation counters are (plan::Layout::gen_counter_offset from
+  // here): its own slab, or device memory when the slab is far away (host memory), since only
+  // the rank itself ever reads them and a read of host memory is a PCIe round trip per call.
+  uint8_t* counters[plan::kMaxWorld] = {};
   const void* inputs[plan::kMaxWorld] = {};
   void* outputs[plan::kMaxWorld] = {};
   const plan::Program* programs[plan::kMaxWorld] = {};  // device copies
@@ -41,6 +45,9 @@ struct LaunchParams {
   // Programmatic dependent launch (sm_90+): the kernel may start while the previous kernel of
   // the stream finishes; it waits for it (griddepcontrol.wait) before touching memory.
   bool pdl = false;
+  // Some rank's slots are in host memory (cuda_host, or a loopback slab placed there): push
+  // reads of slots must not trust L2 (see run_reduce in executor.cuh).
+  bool slots_in_host_memory = false;
 };
 
 // Enqueues the executor instantiation for (p.dtype, p.direction) on `stream`: capture-safe.

@@ -16,10 +16,12 @@
 #include <string>
 #include <vector>
 
+#include "../host_test_util.h"
 #include "plan/layout.h"
 #include "plan/program_check.h"
 #include "plan/schedule.h"
 #include "plan/tactic.h"
+#include "transport/cuda_host.h"
 #include "transport/cuda_ipc.h"
 #include "transport/workspace.h"
 
@@ -177,6 +179,24 @@ TEST(CudaLaunchParams, CarryTheWorkspacesPdlChoice) {
   EXPECT_FALSE(fixture.params(DType::kBF16, tactic_for(schedule), 1024, 0, 2).pdl);
   fixture.view.pdl = true;
   EXPECT_TRUE(fixture.params(DType::kBF16, tactic_for(schedule), 1024, 0, 2).pdl);
+}
+
+TEST(CudaLaunchParams, CountersAndSlotReadsFollowWhereTheSlabsAre) {
+  const plan::Schedule schedule =
+      plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
+  Fixture fixture(schedule, 4096, 2);
+  LaunchParams p = fixture.params(DType::kBF16, tactic_for(schedule), 1024, 0, 2);
+  EXPECT_EQ(p.counters[0], p.bases[0]);  // cuda_ipc: the slab is device memory
+  EXPECT_EQ(p.counters[1], p.bases[1]);
+  EXPECT_FALSE(p.slots_in_host_memory);  // push reads of slots may use L2
+  // cuda_host: the slab is host memory, the counters stay on the GPU (read every call).
+  fixture.view.counters[1] = fake_address(0xC0000);
+  fixture.view.slots_in_host_memory = true;
+  p = fixture.params(DType::kBF16, tactic_for(schedule), 1024, 0, 2);
+  EXPECT_TRUE(p.slots_in_host_memory);
+  EXPECT_EQ(p.counters[0], p.bases[0]);
+  EXPECT_EQ(p.counters[1], fake_address(0xC0000));
+  EXPECT_NE(p.bases[1], fake_address(0xC0000));
 }
 
 TEST(CudaLaunchParams, TakeTheDirectionFromThePrograms) {
@@ -337,16 +357,30 @@ void expect_no_device_error(Make make) {
   }
 }
 
+// What the factory gets for a two-rank CUDA workspace on device 0.
+WorkspaceOptions cuda_options(const std::string& transport) {
+  WorkspaceOptions options;
+  options.transport = transport;
+  options.max_numel = 4096;
+  options.world = 2;
+  options.device = 0;
+  return options;
+}
+
 TEST(CudaDevice, WorkspaceSaysNoDeviceIsVisible) {
   if (device_visible()) GTEST_SKIP() << "a CUDA device is visible; this checks GPU-less hosts";
   const plan::Layout layout = plan::make_layout(4096, 2, 2);
   expect_no_device_error([&] { CudaIpcWorkspace workspace(layout, 0, 0, 0, 30.0); });
-  WorkspaceOptions options;
-  options.transport = "cuda";
-  options.max_numel = 4096;
-  options.world = 2;
-  options.device = 0;
-  expect_no_device_error([&] { make_workspace(options); });
+  expect_no_device_error([&] { make_workspace(cuda_options("cuda")); });
+}
+
+TEST(CudaDevice, HostMemoryWorkspaceSaysNoDeviceIsVisibleAndLeavesNoSegment) {
+  if (device_visible()) GTEST_SKIP() << "a CUDA device is visible; this checks GPU-less hosts";
+  const plan::Layout layout = plan::make_layout(4096, 2, 2);
+  expect_no_device_error([&] { CudaHostWorkspace workspace(layout, 1, 0, 0, 30.0); });
+  expect_no_device_error([&] { make_workspace(cuda_options("cuda_host")); });
+  // The device is checked before the segment is created: nothing to clean up.
+  EXPECT_TRUE(host_test::segments_of(getpid()).empty());
 }
 
 TEST(CudaDevice, LoopbackSaysNoDeviceIsVisible) {

@@ -1,0 +1,102 @@
+// How the cuda_host transport pins the shared segments and points the executor at them: plain
+// C++ over the CUDA runtime API. See cuda_host.h.
+#include "transport/cuda_host.h"
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "transport/cuda_util.h"
+
+namespace pcie_ar::transport {
+
+uint8_t* CudaHostRegistrar::pin(uint8_t* host, uint64_t bytes) {
+  DeviceGuard guard(device_);
+  check(cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+        "cudaHostRegister(mapped | portable) on GPU " + std::to_string(device_));
+  void* device_view = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&device_view, host, 0);
+  if (err != cudaSuccess) {
+    cudaHostUnregister(host);
+    check(err, "cudaHostGetDevicePointer on GPU " + std::to_string(device_));
+  }
+  return static_cast<uint8_t*>(device_view);
+}
+
+std::string CudaHostRegistrar::unpin(uint8_t* host) noexcept {
+  int previous = 0;
+  const bool restore = cudaGetDevice(&previous) == cudaSuccess && previous != device_;
+  if (restore) cudaSetDevice(device_);
+  const cudaError_t err = cudaHostUnregister(host);
+  if (restore) cudaSetDevice(previous);
+  return err == cudaSuccess ? "" : "cudaHostUnregister failed (" + cuda_error_text(err) + ")";
+}
+
+CudaHostWorkspace::CudaHostWorkspace(const plan::Layout& layout, int rank, int device,
+                                     uint32_t initial_gen, double timeout_s)
+    : CudaKernelWorkspace(layout, rank, device, timeout_s) {
+  DeviceGuard guard(device);
+  memory_ = std::make_unique<SharedPinnedSegments>(layout, rank, initial_gen,
+                                                   std::make_unique<CudaHostRegistrar>(device));
+  try {
+    counters_ = allocate_device_counters(layout, initial_gen);
+  } catch (...) {
+    memory_.reset();  // unpins, unmaps, unlinks
+    throw;
+  }
+  view_.bases[rank] = memory_->device_base(rank);
+  view_.counters[rank] = counters_;
+  view_.slots_in_host_memory = true;
+}
+
+CudaHostWorkspace::~CudaHostWorkspace() { teardown(); }
+
+std::string CudaHostWorkspace::local_token() const {
+  if (memory_ == nullptr) throw std::logic_error("local_token(): the workspace was freed");
+  return memory_->local_token();
+}
+
+void CudaHostWorkspace::open_peers(const std::vector<std::string>& tokens) {
+  if (memory_ == nullptr) throw std::logic_error("open_peers(): the workspace was freed");
+  if (peers_open_) throw std::logic_error("open_peers(): the peers are already open");
+  memory_->open_peers(tokens);
+  for (int r = 0; r < layout().world; ++r) view_.bases[r] = memory_->device_base(r);
+  peers_open_ = true;
+}
+
+void CudaHostWorkspace::retire_token() noexcept {
+  if (memory_ != nullptr) memory_->retire_token();
+}
+
+void CudaHostWorkspace::close_peers() {
+  for (int r = 0; r < plan::kMaxWorld; ++r) {
+    if (r != rank()) view_.bases[r] = nullptr;
+  }
+  peers_open_ = false;
+  if (memory_ != nullptr) memory_->close_peers();
+}
+
+void CudaHostWorkspace::release() {
+  std::string errors;
+  DeviceGuard guard(device());
+  release_kernel_state(errors);
+  if (counters_ != nullptr) {
+    const cudaError_t err = cudaFree(counters_);
+    if (err != cudaSuccess) errors += " generation counters: " + cuda_error_text(err) + ";";
+    counters_ = nullptr;
+  }
+  view_.counters[rank()] = nullptr;
+  view_.bases[rank()] = nullptr;
+  std::unique_ptr<SharedPinnedSegments> memory = std::move(memory_);
+  if (memory != nullptr) {
+    try {
+      memory->release();
+    } catch (const std::exception& e) {
+      errors += std::string(" ") + e.what() + ";";
+    }
+  }
+  if (!errors.empty()) throw std::runtime_error("release():" + errors);
+}
+
+}  // namespace pcie_ar::transport
