@@ -195,6 +195,10 @@ class PcieAllReduce:
         )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if transport is not None and self._mode != "auto" and self.device.type != "cuda":
+            raise ValueError(
+                f"transport={transport!r} chooses how GPUs reach each other; this communicator "
+                f"is on {self.device} (CPU tensors use POSIX shared memory): pass transport=None")
         self.max_numel = resolve_max_numel(max_numel, hidden, max_rows)
         self.timeout_s = resolve_timeout(timeout_s, env.timeout_s)
         if self.device.type == "cpu" and env.host_reduce is not None:

@@ -222,6 +222,8 @@ def _bad_arguments(rank, world, table_dir):
         "table_comments_only": dict(table=str(comments)),
         "table_blocks_overflow": dict(table="*,*,*,0,*,oneshot,push,1,2147483648,512"),
         "table_world_overflow": dict(table="*,4294967298,*,0,*,oneshot,push,1,1,512"),
+        "transport_unknown": dict(transport="nvlink"),
+        "transport_on_cpu": dict(transport="hostmem"),
     }
     errors = {}
     for name, kwargs in cases.items():
@@ -253,6 +255,9 @@ def test_bad_constructor_arguments_say_what_was_wrong_and_what_was_expected(tmp_
         "table_blocks_overflow": "column blocks must be an integer in 1..2147483647, got "
         "'2147483648' (out of range)",
         "table_world_overflow": "column world must be an integer in",
+        "transport_unknown": "transport must be one of auto, p2p, hostmem, got 'nvlink'",
+        "transport_on_cpu": "transport='hostmem' chooses how GPUs reach each other; this "
+        "communicator is on cpu (CPU tensors use POSIX shared memory): pass transport=None",
     }
     for name, fragment in expected.items():
         assert errors[name] is not None and fragment in errors[name], (name, errors[name])
