@@ -25,12 +25,13 @@ uint8_t* CudaHostRegistrar::pin(uint8_t* host, uint64_t bytes) {
 }
 
 std::string CudaHostRegistrar::unpin(uint8_t* host) noexcept {
-  int previous = 0;
-  const bool restore = cudaGetDevice(&previous) == cudaSuccess && previous != device_;
-  if (restore) cudaSetDevice(device_);
-  const cudaError_t err = cudaHostUnregister(host);
-  if (restore) cudaSetDevice(previous);
-  return err == cudaSuccess ? "" : "cudaHostUnregister failed (" + cuda_error_text(err) + ")";
+  try {
+    DeviceGuard guard(device_);
+    check(cudaHostUnregister(host), "cudaHostUnregister");
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
 }
 
 CudaHostWorkspace::CudaHostWorkspace(const plan::Layout& layout, int rank, int device,
@@ -40,13 +41,12 @@ CudaHostWorkspace::CudaHostWorkspace(const plan::Layout& layout, int rank, int d
   memory_ = std::make_unique<SharedPinnedSegments>(layout, rank, initial_gen,
                                                    std::make_unique<CudaHostRegistrar>(device));
   try {
-    counters_ = allocate_device_counters(layout, initial_gen);
+    view_.counters[rank] = allocate_device_counters(layout, initial_gen);
   } catch (...) {
     memory_.reset();  // unpins, unmaps, unlinks
     throw;
   }
   view_.bases[rank] = memory_->device_base(rank);
-  view_.counters[rank] = counters_;
   view_.slots_in_host_memory = true;
 }
 
@@ -77,17 +77,12 @@ void CudaHostWorkspace::close_peers() {
   if (memory_ != nullptr) memory_->close_peers();
 }
 
-void CudaHostWorkspace::release() {
-  std::string errors;
-  DeviceGuard guard(device());
-  release_kernel_state(errors);
-  if (counters_ != nullptr) {
-    const cudaError_t err = cudaFree(counters_);
+void CudaHostWorkspace::release_memory(std::string& errors) {
+  if (view_.counters[rank()] != nullptr) {
+    const cudaError_t err = cudaFree(view_.counters[rank()]);
     if (err != cudaSuccess) errors += " generation counters: " + cuda_error_text(err) + ";";
-    counters_ = nullptr;
+    view_.counters[rank()] = nullptr;
   }
-  view_.counters[rank()] = nullptr;
-  view_.bases[rank()] = nullptr;
   std::unique_ptr<SharedPinnedSegments> memory = std::move(memory_);
   if (memory != nullptr) {
     try {
@@ -96,7 +91,6 @@ void CudaHostWorkspace::release() {
       errors += std::string(" ") + e.what() + ";";
     }
   }
-  if (!errors.empty()) throw std::runtime_error("release():" + errors);
 }
 
 }  // namespace pcie_ar::transport

@@ -51,11 +51,12 @@ class CudaHostWorkspace final : public CudaKernelWorkspace {
   void open_peers(const std::vector<std::string>& tokens) override;
   void retire_token() noexcept override;  // unlinks our segment's name
   void close_peers() override;            // unpins, then unmaps the peers' segments
-  void release() override;                // programs, counters, our segment; idempotent
 
  private:
+  // Our segment and the device counters (view_.counters[rank]).
+  void release_memory(std::string& errors) override;
+
   std::unique_ptr<SharedPinnedSegments> memory_;
-  uint8_t* counters_ = nullptr;  // device memory: this rank's generation counters
 };
 
 }  // namespace pcie_ar::transport

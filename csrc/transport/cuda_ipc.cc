@@ -62,17 +62,24 @@ uint8_t* allocate_slab(const plan::Layout& layout, uint64_t initial_gen) {
 }
 
 // Mapped host memory the kernel writes a Diagnostic into; readable after the context dies.
-plan::Diagnostic* allocate_diag(plan::Diagnostic** device_view) {
+// `bytes` of mapped pinned host memory (free with cudaFreeHost); *device_view is its address
+// for kernels.
+void* allocate_mapped(uint64_t bytes, void** device_view, const std::string& what) {
   void* host = nullptr;
-  check(cudaHostAlloc(&host, sizeof(plan::Diagnostic), cudaHostAllocMapped),
-        "cudaHostAlloc of the failure record");
-  std::memset(host, 0, sizeof(plan::Diagnostic));
-  void* device = nullptr;
-  const cudaError_t err = cudaHostGetDevicePointer(&device, host, 0);
+  check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+        "cudaHostAlloc of " + what);
+  const cudaError_t err = cudaHostGetDevicePointer(device_view, host, 0);
   if (err != cudaSuccess) {
     cudaFreeHost(host);
-    check(err, "cudaHostGetDevicePointer of the failure record");
+    check(err, "cudaHostGetDevicePointer of " + what);
   }
+  return host;
+}
+
+plan::Diagnostic* allocate_diag(plan::Diagnostic** device_view) {
+  void* device = nullptr;
+  void* host = allocate_mapped(sizeof(plan::Diagnostic), &device, "the failure record");
+  std::memset(host, 0, sizeof(plan::Diagnostic));
   *device_view = static_cast<plan::Diagnostic*>(device);
   return static_cast<plan::Diagnostic*>(host);
 }
@@ -304,6 +311,16 @@ void CudaKernelWorkspace::teardown() noexcept {
   }
 }
 
+void CudaKernelWorkspace::release() {
+  std::string errors;
+  DeviceGuard guard(device_);
+  release_kernel_state(errors);
+  release_memory(errors);
+  view_.bases[rank()] = nullptr;
+  view_.counters[rank()] = nullptr;
+  if (!errors.empty()) throw std::runtime_error("release():" + errors);
+}
+
 void CudaKernelWorkspace::release_kernel_state(std::string& errors) {
   auto free_one = [&](void* ptr, const char* what) {
     if (ptr == nullptr) return;
@@ -476,17 +493,12 @@ void CudaIpcWorkspace::close_peers() {
     throw std::runtime_error("close_peers(): cudaIpcCloseMemHandle failed:" + errors);
 }
 
-void CudaIpcWorkspace::release() {
-  std::string errors;
-  DeviceGuard guard(device());
-  release_kernel_state(errors);
+void CudaIpcWorkspace::release_memory(std::string& errors) {
   if (slab_ != nullptr) {
     const cudaError_t err = cudaFree(slab_);
     if (err != cudaSuccess) errors += " workspace: " + cuda_error_text(err) + ";";
   }
   slab_ = nullptr;
-  view_.bases[rank()] = nullptr;
-  if (!errors.empty()) throw std::runtime_error("release(): cudaFree failed:" + errors);
 }
 
 // ------------------------------------------------------------------ CudaLoopback
@@ -529,11 +541,7 @@ CudaLoopback::~CudaLoopback() {
       if (program != nullptr) cudaFree(const_cast<plan::Program*>(program));
     }
   }
-  for (int r = 0; r < plan::kMaxWorld; ++r) {
-    if (slabs_[r] != nullptr && pinned_[r]) cudaFreeHost(slabs_[r]);
-    if (slabs_[r] != nullptr && !external_[r] && !pinned_[r]) cudaFree(slabs_[r]);
-    if (counters_[r] != nullptr) cudaFree(counters_[r]);
-  }
+  for (int r = 0; r < plan::kMaxWorld; ++r) free_slab(r);
   if (view_.claim != nullptr) cudaFree(view_.claim);
   if (diag_host_ != nullptr) cudaFreeHost(diag_host_);
   if (restore) cudaSetDevice(previous);
@@ -548,17 +556,9 @@ void CudaLoopback::use_external_slab(int rank, uint8_t* slab, uint64_t initial_g
   DeviceGuard guard(device_);
   initialize_slab(slab, view_.layout, initial_gen);
   check(cudaDeviceSynchronize(), "initialising an external loopback workspace");
-  if (pinned_[rank]) {
-    check(cudaFreeHost(slabs_[rank]), "freeing a loopback workspace in host memory");
-  } else if (!external_[rank]) {
-    check(cudaFree(slabs_[rank]), "freeing a loopback workspace");
-  }
-  if (counters_[rank] != nullptr) cudaFree(counters_[rank]);
-  counters_[rank] = nullptr;
-  view_.counters[rank] = nullptr;
-  pinned_[rank] = false;
+  free_slab(rank);
   slabs_[rank] = slab;
-  external_[rank] = true;
+  slab_kind_[rank] = SlabKind::kCaller;
   view_.bases[rank] = slab;
   view_.slots_in_host_memory = true;  // the caller's slabs are host memory (cuda_ipc.h)
 }
@@ -568,28 +568,30 @@ void CudaLoopback::use_host_memory() {
   const plan::Layout& layout = view_.layout;
   const uint64_t initial_gen = initial_gen_;
   for (int r = 0; r < layout.world; ++r) {
-    if (pinned_[r]) continue;
-    void* host = nullptr;
-    check(cudaHostAlloc(&host, layout.total_bytes, cudaHostAllocMapped | cudaHostAllocPortable),
-          "cudaHostAlloc of a loopback workspace in host memory");
+    if (slab_kind_[r] == SlabKind::kPinned) continue;
     void* device_view = nullptr;
-    const cudaError_t err = cudaHostGetDevicePointer(&device_view, host, 0);
-    if (err != cudaSuccess) {
-      cudaFreeHost(host);
-      check(err, "cudaHostGetDevicePointer of a loopback workspace");
-    }
+    void* host = allocate_mapped(layout.total_bytes, &device_view, "a loopback workspace");
     auto* slab = static_cast<uint8_t*>(device_view);
     initialize_slab(slab, layout, initial_gen);
-    if (!external_[r]) check(cudaFree(slabs_[r]), "freeing a loopback workspace");
+    free_slab(r);
     slabs_[r] = static_cast<uint8_t*>(host);  // what cudaFreeHost takes
-    pinned_[r] = true;
-    external_[r] = false;
+    slab_kind_[r] = SlabKind::kPinned;
     view_.bases[r] = slab;
-    counters_[r] = allocate_device_counters(layout, initial_gen);
-    view_.counters[r] = counters_[r];
+    view_.counters[r] = allocate_device_counters(layout, initial_gen);
   }
   view_.slots_in_host_memory = true;
   check(cudaDeviceSynchronize(), "initialising the loopback workspaces in host memory");
+}
+
+void CudaLoopback::free_slab(int rank) noexcept {
+  if (slabs_[rank] != nullptr) {
+    if (slab_kind_[rank] == SlabKind::kPinned) cudaFreeHost(slabs_[rank]);
+    if (slab_kind_[rank] == SlabKind::kDevice) cudaFree(slabs_[rank]);
+  }
+  if (view_.counters[rank] != nullptr) cudaFree(view_.counters[rank]);
+  slabs_[rank] = nullptr;
+  view_.counters[rank] = nullptr;
+  view_.bases[rank] = nullptr;
 }
 
 int CudaLoopback::add_schedule(const plan::Schedule& schedule) {

@@ -142,13 +142,17 @@ class CudaKernelWorkspace : public Workspace {
   // The record a failed kernel left in mapped host memory; nullopt if none.
   std::optional<plan::Diagnostic> failure() const override;
 
+  // Frees the uploaded programs, the claim word and the subclass's memory (release_memory());
+  // idempotent. Throws listing what could not be freed, after freeing the rest.
+  void release() final;
+
  protected:
   // Checks the device and the rank, allocates the failure record and claim word, measures the
   // residency table. Throws like require_device().
   CudaKernelWorkspace(const plan::Layout& layout, int rank, int device, double timeout_s);
-  // Frees the uploaded programs and the claim word (the device half of release()); appends what
+  // The subclass's half of release(): frees its own slab (the device is current); appends what
   // failed to `errors`. Idempotent.
-  void release_kernel_state(std::string& errors);
+  virtual void release_memory(std::string& errors) = 0;
   // Best-effort close_peers() and release() for a subclass's destructor (the base destructor
   // cannot reach the subclass's overrides). Never throws.
   void teardown() noexcept;
@@ -159,6 +163,8 @@ class CudaKernelWorkspace : public Workspace {
  private:
   int install(const plan::Program& program) override;
   std::optional<std::string> transport_limits(const plan::Tactic& tactic) const override;
+  // Frees the uploaded programs and the claim word; appends what failed to `errors`.
+  void release_kernel_state(std::string& errors);
 
   int device_ = 0;
   ResidencyTable residency_;
@@ -181,9 +187,10 @@ class CudaIpcWorkspace final : public CudaKernelWorkspace {
   void open_peers(const std::vector<std::string>& tokens) override;
 
   void close_peers() override;  // peers unmap before owners free
-  void release() override;      // frees the slab and the uploaded programs; idempotent
 
  private:
+  void release_memory(std::string& errors) override;  // the slab
+
   uint8_t* slab_ = nullptr;
   std::array<uint8_t*, plan::kMaxWorld> opened_{};  // peers' slabs we mapped
 };
@@ -239,6 +246,8 @@ class CudaLoopback {
     plan::Schedule schedule;
     ProgramSet programs;
   };
+  // Frees virtual rank `rank`'s slab as its kind says, and its device counters.
+  void free_slab(int rank) noexcept;
   void check_launch_args(const Uploaded& up, const plan::Tactic& tactic, size_t inputs,
                          size_t outputs, int first_rank, int count) const;
 
@@ -247,9 +256,9 @@ class CudaLoopback {
   uint64_t initial_gen_ = 0;
   ResidencyTable residency_;
   std::array<uint8_t*, plan::kMaxWorld> slabs_{};
-  std::array<bool, plan::kMaxWorld> external_{};      // slabs_[r] belongs to the caller
-  std::array<bool, plan::kMaxWorld> pinned_{};        // slabs_[r] is our cudaHostAlloc memory
-  std::array<uint8_t*, plan::kMaxWorld> counters_{};  // device counters (use_host_memory())
+  // Who owns slabs_[r], and so how it is freed. view_.counters[r] (use_host_memory()) is ours.
+  enum class SlabKind : uint8_t { kDevice, kCaller, kPinned };
+  std::array<SlabKind, plan::kMaxWorld> slab_kind_{};
   plan::Diagnostic* diag_host_ = nullptr;
   std::vector<Uploaded> schedules_;
   std::array<StreamOrder, plan::kMaxWorld> order_;  // per virtual rank

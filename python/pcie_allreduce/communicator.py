@@ -29,8 +29,6 @@ logger = logging.getLogger("pcie_allreduce")
 
 DEFAULT_ROWS = 64
 DEFAULT_HIDDEN = 8192
-# The tuning table's topology key on the cuda_host transport (GPUs without peer-to-peer).
-HOSTMEM_KEY = "hostmem"
 
 
 def _whole(name: str, value: Any) -> int:
@@ -220,15 +218,10 @@ class PcieAllReduce:
         off = self._meet(off)
         off = self._probe(opts, topology, islands, off)
         if opts.transport == "cuda_host" and opts.topology_key != "nvlink":
-            opts.topology_key = HOSTMEM_KEY  # its own table rows and tuning cache
-        self._fingerprint_fields = tuning.fingerprint_fields(
-            opts.transport, self.world_size, opts.topology_key, list(opts.island_of),
-            self._devices, self._driver, self._links,
-        )
-        self._fingerprint = tuning.fingerprint(self._fingerprint_fields)
+            opts.topology_key = tuning.HOSTMEM_KEY  # its own table rows and tuning cache
+        self._set_fingerprint(opts)
         opts.disabled, opts.disabled_detail = self._handshake(opts, dtypes, off)
-        self._table_text = opts.table_text or _C.TuningTable.embedded_text()
-        self._table_source = opts.table_source
+        self._take_table(opts)
         self._opts = opts
         self._comm = _C.Communicator(opts)
         self._transport_detail = _first_detail(opts.transport, self._mode, transport is None)
@@ -275,6 +268,19 @@ class PcieAllReduce:
         opts.group_name = self.group.group_name
         opts.log_level = env.log_level
         return opts
+
+    def _set_fingerprint(self, opts: "_C.Options") -> None:
+        """What this group's tuning cache is valid for (transport, topology key, GPUs)."""
+        self._fingerprint_fields = tuning.fingerprint_fields(
+            opts.transport, self.world_size, opts.topology_key, list(opts.island_of),
+            self._devices, self._driver, self._links,
+        )
+        self._fingerprint = tuning.fingerprint(self._fingerprint_fields)
+
+    def _take_table(self, opts: "_C.Options") -> None:
+        """Remembers the table the communicator is built with (its text and where it came from)."""
+        self._table_text = opts.table_text or _C.TuningTable.embedded_text()
+        self._table_source = opts.table_source
 
     def _meet(self, off: Tuple[str, str]) -> Tuple[str, str]:
         """The first exchange: every rank arrives (or is named), and ranks on different
@@ -415,19 +421,14 @@ class PcieAllReduce:
         self._comm.close_peers()
         self._boot.barrier("p2p closed")
         self._comm.release()
-        opts.transport, opts.topology_key = "cuda_host", HOSTMEM_KEY
-        self._fingerprint_fields = tuning.fingerprint_fields(
-            opts.transport, self.world_size, opts.topology_key, list(opts.island_of),
-            self._devices, self._driver, self._links,
-        )
-        self._fingerprint = tuning.fingerprint(self._fingerprint_fields)
+        opts.transport, opts.topology_key = "cuda_host", tuning.HOSTMEM_KEY
+        self._set_fingerprint(opts)
         if not self._table_given:  # this host's cache for the new transport, as rank 0 reads it
             cache = self._boot.gather(self._read_cache() if self.rank == 0 else None,
                                       "host memory table")[0]
             opts.table_text, opts.table_source = (
                 (cache["text"], cache["source"]) if cache else ("", "embedded seed table"))
-            self._table_text = opts.table_text or _C.TuningTable.embedded_text()
-            self._table_source = opts.table_source
+            self._take_table(opts)
         self._comm = _C.Communicator(opts)
         self._transport_detail = (
             f"peer-to-peer failed: {why}; every workspace is in shared pinned host memory")

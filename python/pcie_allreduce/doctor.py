@@ -57,7 +57,6 @@ _REPORTED_PAIRS_CAP = 8  # _verify_p2p names at most this many broken pairs
 # bad PCIE_ALLREDUCE_TRANSPORT is reported by the doctor itself, not as a crashed test.
 _PROBE_ENV_DROP = ("CUDA_VISIBLE_DEVICES", "PCIE_ALLREDUCE_ENABLE", "PCIE_ALLREDUCE_TABLE",
                    "PCIE_ALLREDUCE_TRANSPORT")
-HOSTMEM_KEY = "hostmem"  # the table's topology key on the cuda_host transport
 _HOSTMEM_COST = ("slower per call than P2P (every flag poll is a PCIe round trip to host "
                  "memory)")
 
@@ -880,7 +879,7 @@ def fingerprint_links(inv: Inventory) -> str:
 def gpu_cache_report(system: System, inv: Inventory, transport: str = "cuda") -> Dict[str, Any]:
     """This host's cache file for ``transport`` ("cuda", or "cuda_host" whose table key is
     "hostmem"), as the communicator's rank 0 reads it."""
-    key = HOSTMEM_KEY if transport == "cuda_host" else inv.table_key
+    key = tuning.HOSTMEM_KEY if transport == "cuda_host" else inv.table_key
     fields = tuning.fingerprint_fields(transport, inv.count, key, inv.island_of,
                                        [g["name"] for g in inv.gpus], fingerprint_driver(inv),
                                        links=fingerprint_links(inv))

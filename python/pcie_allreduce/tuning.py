@@ -39,6 +39,9 @@ logger = logging.getLogger("pcie_allreduce")
 
 FORMAT_VERSION = 1
 CACHE_MAGIC = "# pcie_allreduce tuning cache"
+# The table's topology key (and the cache fingerprint's) on the cuda_host transport: GPUs
+# without peer-to-peer, every workspace in shared pinned host memory.
+HOSTMEM_KEY = "hostmem"
 
 
 def library_version() -> str:
