@@ -16,6 +16,7 @@
 #include "plan/tuning_table.h"
 #include "plan/verify.h"
 #include "transport/host_reduce.h"
+#include "transport/kind.h"
 
 namespace py = pybind11;
 
@@ -293,6 +294,11 @@ void bind_layout_topology_tables(py::module_& m) {
   py::class_<plan::TuningTable>(m, "TuningTable")
       .def_static("parse", &plan::TuningTable::parse, py::arg("text"), py::arg("source") = "table")
       .def_static("embedded_text", [] { return std::string(plan::TuningTable::embedded_text()); })
+      .def_static(
+          "canonical_key",
+          [](const std::string& key) { return std::string(plan::canonical_topology_key(key)); },
+          py::arg("key"),
+          "The topology key as rows hold it: host_shm for host, cuda_host for hostmem.")
       .def("hash", &plan::TuningTable::hash)
       .def("canonical_text", &plan::TuningTable::canonical_text)
       .def("__len__", [](const plan::TuningTable& t) { return t.rows().size(); })
@@ -323,7 +329,15 @@ void bind_communicator(py::module_& m) {
             o.dtypes.clear();
             for (const auto& n : names) o.dtypes.push_back(dtype_from_name(n));
           })
-      .def_readwrite("transport", &comm::Options::transport)
+      // A name (canonical or alias) in, the canonical name out (transport/kind.h).
+      .def_property(
+          "transport",
+          [](const comm::Options& o) {
+            return std::string(transport::kKindNames.name_of(o.transport));
+          },
+          [](comm::Options& o, const std::string& name) {
+            o.transport = transport::kKindNames.parse(name);
+          })
       .def_readwrite("device", &comm::Options::device)
       .def_readwrite("timeout_s", &comm::Options::timeout_s)
       .def_readwrite("initial_gen", &comm::Options::initial_gen)
@@ -338,7 +352,23 @@ void bind_communicator(py::module_& m) {
           [](const comm::Options& o) { return std::string(comm::decline_name(o.disabled)); },
           [](comm::Options& o, const std::string& name) { o.disabled = comm::parse_decline(name); })
       .def_readwrite("disabled_detail", &comm::Options::disabled_detail)
-      .def_readwrite("log_level", &comm::Options::log_level);
+      .def_readwrite("log_level", &comm::Options::log_level)
+      .def_readwrite("pdl", &comm::Options::pdl);
+
+  m.def(
+      "transport_names",
+      [] {
+        py::dict out;
+        for (const auto& entry : transport::kKindNames.entries) {
+          std::vector<std::string> aliases;
+          for (const auto alias : transport::kKindNames.aliases_of(entry.value)) {
+            aliases.emplace_back(alias);
+          }
+          out[py::str(std::string(entry.name))] = aliases;
+        }
+        return out;
+      },
+      "Every transport's canonical name and the aliases Options.transport also accepts.");
 
   py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(m, "Communicator")
       .def(py::init<comm::Options>())

@@ -153,6 +153,7 @@ Communicator::Communicator(Options options) : options_(std::move(options)) {
   w.device = options_.device;
   w.initial_gen = options_.initial_gen;
   w.timeout_s = options_.timeout_s;
+  w.pdl = options_.pdl;
   workspace_ = transport::make_workspace(w);
 }
 

@@ -31,6 +31,7 @@
 #include "plan/schedule.h"
 #include "plan/tactic.h"
 #include "plan/tuning_table.h"
+#include "transport/kind.h"
 
 namespace pcie_ar::transport {
 class Workspace;
@@ -65,19 +66,22 @@ struct Options {
   int world = 0;
   int64_t max_numel = 0;
   std::vector<plan::DType> dtypes = {plan::DType::kBF16, plan::DType::kFP16, plan::DType::kFP32};
-  std::string transport = "host";            // "host", "cuda" (P2P) or "cuda_host"
-  int device = -1;                           // CUDA device index (cuda transport)
+  transport::Kind transport = transport::Kind::kHostShm;
+  int device = -1;                           // CUDA device index (CUDA transports)
   double timeout_s = 30.0;                   // every wait's deadline; 0 = forever
   uint32_t initial_gen = 0;                  // tests start near 2^32 to cross the wrap
   int max_blocks = plan::kDefaultMaxBlocks;  // a transport may cap it (host_shm: 8)
-  std::string topology_key = "flat";         // what the table's topology column matches
-  std::vector<int> island_of;                // rank -> island; empty = flat
-  std::string table_text;                    // CSV; empty = the embedded seed table
+  // What the table's topology column matches; the legacy keys host and hostmem mean host_shm
+  // and cuda_host (plan::canonical_topology_key), as in the table itself.
+  std::string topology_key = "flat";
+  std::vector<int> island_of;  // rank -> island; empty = flat
+  std::string table_text;      // CSV; empty = the embedded seed table
   std::string table_source = "embedded seed table";
   std::string group_name;             // c10d group the fallback runs on
   Decline disabled = Decline::kNone;  // set when the backend must not run (handshake, NVLink)
   std::string disabled_detail;
   int log_level = 1;  // 0 silent, 1 one line per decline reason and skipped row, 2 verbose
+  bool pdl = true;    // CUDA transports: programmatic dependent launch where the GPU allows it
 };
 
 struct Stats {

@@ -4,6 +4,7 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "plan/hash.h"
 #include "plan/text.h"
@@ -15,30 +16,30 @@ constexpr std::string_view kSeedTable =
     R"csv(# Seed table compiled into pcie_allreduce; PCIE_ALLREDUCE_TABLE names a file that replaces it.
 # docs/tuning.md says which rows were measured and which are estimates from the cost model.
 topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads,protocol
-# Host shared-memory transport (CPU tensors), measured on the 2-core CI VM: one thread per rank
+# The host_shm transport (CPU tensors), measured on the 2-core CI VM: one thread per rank
 # walks one slice. Past a few tens of KiB, reducing half the message each (twoshot) beats
 # reducing all of it. LL loses here at every size (x86 releases are free; LL doubles the bytes).
 # From 256 KiB (world 2) or 1 MiB, pull: each rank stages its chunks in its own memory and the
 # reducer reads them there, instead of writing into the peer's cache lines (5-25 % faster in
 # interleaved runs, docs/benchmarks.md).
-host,2,*,0,32768,oneshot,push,0,1,32
-host,2,*,32768,262144,twoshot,push,0,1,32
-host,2,*,262144,*,twoshot,pull,0,1,32
-host,*,*,0,65536,oneshot,push,0,1,32
-host,*,*,65536,1048576,twoshot,push,0,1,32
-host,*,*,1048576,*,twoshot,pull,0,1,32
+host_shm,2,*,0,32768,oneshot,push,0,1,32
+host_shm,2,*,32768,262144,twoshot,push,0,1,32
+host_shm,2,*,262144,*,twoshot,pull,0,1,32
+host_shm,*,*,0,65536,oneshot,push,0,1,32
+host_shm,*,*,65536,1048576,twoshot,push,0,1,32
+host_shm,*,*,1048576,*,twoshot,pull,0,1,32
 # NVLink-connected GPUs belong to the serving engine's own custom all-reduce.
 nvlink,*,*,0,*,fallback,,,,
-# GPUs without peer-to-peer (transport cuda_host: every workspace in shared pinned host memory,
-# topology key hostmem). ESTIMATES from the step lists, not yet measured: every flag or LL poll
+# GPUs without peer-to-peer (the cuda_host transport: every workspace in shared pinned host
+# memory). ESTIMATES from the step lists, not yet measured: every flag or LL poll
 # is a PCIe round trip to host DRAM, so decode sizes take LL one-shot (one round trip, no fence,
 # no flag); the flag protocol (a system fence, a flag poll, then the data read: two round trips)
 # only once LL's doubled bytes outweigh that, and two-shot only where one-shot's (N-1)-fold
 # writes of the whole message do, unstaged (staging adds fences, which host memory makes dear).
-hostmem,*,*,0,65536,oneshot,push,0,8,256,ll
-hostmem,2,*,0,*,oneshot,push,0,16,256
-hostmem,*,*,0,262144,oneshot,push,0,16,256
-hostmem,*,*,262144,*,twoshot,push,0,32,512
+cuda_host,*,*,0,65536,oneshot,push,0,8,256,ll
+cuda_host,2,*,0,*,oneshot,push,0,16,256
+cuda_host,*,*,0,262144,oneshot,push,0,16,256
+cuda_host,*,*,262144,*,twoshot,push,0,32,512
 # GPU rows below are ESTIMATES (cost model, not yet measured on a real PCIe host).
 # Two sockets: reduce inside each island and cross the socket link once. Decode sizes use LL
 # (no fence, no flag, local polls only); then one fence per phase with parallel flags.
@@ -58,6 +59,13 @@ islands-2x2,4,*,131072,*,island_twoshot,push,1,32,512
 *,*,*,131072,*,twoshot,push,1,32,512
 *,*,*,0,*,fallback,,,,
 )csv";
+
+// Keys that name a transport, by the names tables and callers used before the transports had
+// theirs: {legacy, canonical}.
+constexpr std::pair<std::string_view, std::string_view> kLegacyTopologyKeys[] = {
+    {"host", "host_shm"},      // CPU tensors
+    {"hostmem", "cuda_host"},  // GPUs without peer-to-peer
+};
 
 constexpr std::string_view kHeader =
     "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads";
@@ -181,7 +189,7 @@ class RowParser {
     if (cells.size() < 6) fail_columns(cells.size());
     TableRow row;
     row.line = line_;
-    row.topology = std::string(cells[0]);
+    row.topology = std::string(canonical_topology_key(cells[0]));
     if (row.topology.empty()) fail("column topology is empty (use '*' for any)");
     row.world =
         cells[1] == "*" ? -1 : static_cast<int>(integer(cells[1], "world", 1, kIntMax, true));
@@ -248,6 +256,13 @@ class RowParser {
 
 }  // namespace
 
+std::string_view canonical_topology_key(std::string_view key) {
+  for (const auto& [legacy, canonical] : kLegacyTopologyKeys) {
+    if (key == legacy) return canonical;
+  }
+  return key;
+}
+
 bool TableRow::matches(std::string_view topology_key, int w, DType d, int64_t bytes) const {
   if (topology != "*" && topology != topology_key) return false;
   if (world >= 0 && world != w) return false;
@@ -299,8 +314,9 @@ TuningTable TuningTable::embedded() { return parse(kSeedTable, "embedded seed ta
 TableChoice TuningTable::choose(std::string_view topology_key, int world, DType dtype,
                                 int64_t bytes, const RunnableCheck& why_not_runnable) const {
   TableChoice choice;
+  const std::string_view key = canonical_topology_key(topology_key);  // rows hold canonical keys
   for (const TableRow& row : rows_) {
-    if (!row.matches(topology_key, world, dtype, bytes)) continue;
+    if (!row.matches(key, world, dtype, bytes)) continue;
     if (row.fallback) {
       choice.line = row.line;
       return choice;

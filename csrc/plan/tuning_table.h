@@ -9,10 +9,13 @@
 //   islands-2x4,8,bf16,16384,65536,island_oneshot,push,1,16,256
 //   *,*,*,0,*,fallback,,,,
 //
-// min_bytes is inclusive, max_bytes exclusive, "*" matches anything. The eleventh column,
-// protocol (flag or ll), is optional: absent or empty means flag, so ten-column tables stay
-// valid. Columns after the eleventh (measured times written by the tuner) are kept but never
-// matched on.
+// min_bytes is inclusive, max_bytes exclusive, "*" matches anything. Topology keys that name a
+// transport have a legacy spelling, accepted in the topology column and by choose() alike:
+// "host" is "host_shm" (CPU tensors), "hostmem" is "cuda_host" (GPUs without peer-to-peer).
+// Parsed rows hold the canonical key, so canonical_text() and hash() are the same either way.
+// The eleventh column, protocol (flag or ll), is optional: absent or empty means flag, so
+// ten-column tables stay valid. Columns after the eleventh (measured times written by the
+// tuner) are kept but never matched on.
 //
 // Integers are plain decimal digits checked against their range (world, blocks, threads:
 // 1..2^31-1; min_bytes: 0..2^63-1; max_bytes: 1..2^63-1); a value past the range is an error,
@@ -43,9 +46,12 @@ class TableError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// `key` with a legacy transport key replaced by its canonical name; any other key unchanged.
+std::string_view canonical_topology_key(std::string_view key);
+
 struct TableRow {
   int line = 0;                // 1-based line in the source text
-  std::string topology = "*";  // table key of the topology, or "*"
+  std::string topology = "*";  // table key of the topology (canonical_topology_key), or "*"
   int world = -1;              // -1 = any
   std::optional<DType> dtype;  // nullopt = any
   int64_t min_bytes = 0;       // inclusive
@@ -81,6 +87,7 @@ class TuningTable {
   static TuningTable embedded();
   static std::string_view embedded_text();
 
+  // The first matching runnable row for a call; topology_key may be a legacy key.
   TableChoice choose(std::string_view topology_key, int world, DType dtype, int64_t bytes,
                      const RunnableCheck& why_not_runnable) const;
 

@@ -35,8 +35,8 @@ std::string CudaHostRegistrar::unpin(uint8_t* host) noexcept {
 }
 
 CudaHostWorkspace::CudaHostWorkspace(const plan::Layout& layout, int rank, int device,
-                                     uint32_t initial_gen, double timeout_s)
-    : CudaKernelWorkspace(layout, rank, device, timeout_s) {
+                                     uint32_t initial_gen, double timeout_s, bool pdl)
+    : CudaKernelWorkspace(layout, rank, device, timeout_s, pdl) {
   DeviceGuard guard(device);
   memory_ = std::make_unique<SharedPinnedSegments>(layout, rank, initial_gen,
                                                    std::make_unique<CudaHostRegistrar>(device));

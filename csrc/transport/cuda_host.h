@@ -43,7 +43,7 @@ class CudaHostWorkspace final : public CudaKernelWorkspace {
   // Requires a visible device first (nothing is created in /dev/shm without one), then creates
   // and pins this rank's segment and the device counters.
   CudaHostWorkspace(const plan::Layout& layout, int rank, int device, uint32_t initial_gen,
-                    double timeout_s);
+                    double timeout_s, bool pdl);
   ~CudaHostWorkspace() override;  // best-effort close_peers() + release(); never throws
 
   std::string local_token() const override;  // our segment's name

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -217,13 +216,13 @@ void require_device(int device) {
 }
 
 bool pdl_enabled(int device) {
-  const char* env = std::getenv("PCIE_ALLREDUCE_PDL");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
   int major = 0;
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
         "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
   return major >= 9 && executor_waits_for_previous_grid();
 }
+
+bool use_pdl(bool requested, int device) { return requested && pdl_enabled(device); }
 
 // ------------------------------------------------------------------ StreamOrder
 
@@ -268,7 +267,7 @@ void StreamOrder::before_call(cudaStream_t stream) {
 // ------------------------------------------------------------------ CudaKernelWorkspace
 
 CudaKernelWorkspace::CudaKernelWorkspace(const plan::Layout& layout, int rank, int device,
-                                         double timeout_s)
+                                         double timeout_s, bool pdl)
     : Workspace(layout, rank), device_(device) {
   require_device(device);
   plan::check_layout(layout);
@@ -282,7 +281,7 @@ CudaKernelWorkspace::CudaKernelWorkspace(const plan::Layout& layout, int rank, i
     diag_host_ = allocate_diag(&view_.diag);
     view_.claim = allocate_claim();
     residency_ = measure_residency(device);
-    view_.pdl = pdl_enabled(device);
+    view_.pdl = use_pdl(pdl, device);
   } catch (...) {
     if (view_.claim != nullptr) cudaFree(view_.claim);
     if (diag_host_ != nullptr) cudaFreeHost(diag_host_);
@@ -418,8 +417,8 @@ std::vector<int> CudaKernelWorkspace::probe_read(uint32_t nonce) const {
 // ------------------------------------------------------------------ CudaIpcWorkspace
 
 CudaIpcWorkspace::CudaIpcWorkspace(const plan::Layout& layout, int rank, int device,
-                                   uint64_t initial_gen, double timeout_s)
-    : CudaKernelWorkspace(layout, rank, device, timeout_s) {
+                                   uint64_t initial_gen, double timeout_s, bool pdl)
+    : CudaKernelWorkspace(layout, rank, device, timeout_s, pdl) {
   DeviceGuard guard(device);
   slab_ = allocate_slab(layout, initial_gen);
   view_.bases[rank] = slab_;
@@ -504,7 +503,7 @@ void CudaIpcWorkspace::release_memory(std::string& errors) {
 // ------------------------------------------------------------------ CudaLoopback
 
 CudaLoopback::CudaLoopback(const plan::Layout& layout, int device, uint64_t initial_gen,
-                           double timeout_s)
+                           double timeout_s, bool pdl)
     : device_(device), initial_gen_(initial_gen) {
   require_device(device);
   plan::check_layout(layout);
@@ -519,7 +518,7 @@ CudaLoopback::CudaLoopback(const plan::Layout& layout, int device, uint64_t init
     diag_host_ = allocate_diag(&view_.diag);
     view_.claim = allocate_claim();
     residency_ = measure_residency(device);
-    view_.pdl = pdl_enabled(device);
+    view_.pdl = use_pdl(pdl, device);
     check(cudaDeviceSynchronize(), "initialising the loopback workspaces");
   } catch (...) {
     for (uint8_t*& slab : slabs_) {

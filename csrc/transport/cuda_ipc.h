@@ -16,11 +16,11 @@
 // graph is replayed on, and what else runs beside it, are the caller's responsibility, exactly
 // as for any captured kernel. The previous stream must still exist when the switch happens.
 //
-// Programmatic dependent launch (sm_90+, on unless PCIE_ALLREDUCE_PDL=0): the kernel may be
-// scheduled while the previous kernel of the stream finishes, and waits for it on the GPU
-// before it touches memory. A PDL launch the driver refuses outside capture is retried plainly
-// and PDL stays off for that workspace; under capture the error propagates (set
-// PCIE_ALLREDUCE_PDL=0 if a driver refuses captured PDL launches).
+// Programmatic dependent launch (sm_90+, unless the workspace's `pdl` option is off): the
+// kernel may be scheduled while the previous kernel of the stream finishes, and waits for it on
+// the GPU before it touches memory. A PDL launch the driver refuses outside capture is retried
+// plainly and PDL stays off for that workspace; under capture the error propagates (turn the
+// option off if a driver refuses captured PDL launches).
 //
 // Loopback: N virtual ranks on one GPU in one process, launched as one grid (gridDim.y = ranks),
 // with peer pointers that are plain device pointers. It runs the same kernel, so every schedule
@@ -57,7 +57,7 @@ struct WorkspaceView {
   plan::Diagnostic* diag = nullptr;
   uint32_t* claim = nullptr;
   uint64_t timeout_ns = 0;
-  bool pdl = false;                   // launch with programmatic dependent launch (pdl_enabled())
+  bool pdl = false;                   // launch with programmatic dependent launch (use_pdl())
   bool slots_in_host_memory = false;  // any rank's slab is host memory (LaunchParams)
 };
 
@@ -77,10 +77,13 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
 // Seconds to the kernel's nanoseconds; throws std::invalid_argument if negative or not finite.
 uint64_t timeout_to_ns(double timeout_s);
 
-// Whether launches on `device` (the current device) use programmatic dependent launch: compute
-// capability 9.0 or newer, every executor instantiation compiled for it (a kernel JIT-compiled
-// from older PTX would not wait for the previous grid), and PCIE_ALLREDUCE_PDL is not "0".
+// Whether launches on `device` (the current device) may use programmatic dependent launch:
+// compute capability 9.0 or newer, and every executor instantiation compiled for it (a kernel
+// JIT-compiled from older PTX would not wait for the previous grid).
 bool pdl_enabled(int device);
+// Whether a workspace launches with PDL: its option asks for it (asking nothing of the device
+// when not) and pdl_enabled(device).
+bool use_pdl(bool requested, int device);
 
 // Orders one rank's eager calls across streams (see the top of this file). Not thread-safe,
 // like the workspace that owns it.
@@ -148,8 +151,9 @@ class CudaKernelWorkspace : public Workspace {
 
  protected:
   // Checks the device and the rank, allocates the failure record and claim word, measures the
-  // residency table. Throws like require_device().
-  CudaKernelWorkspace(const plan::Layout& layout, int rank, int device, double timeout_s);
+  // residency table; `pdl`: programmatic dependent launch where the GPU allows it (use_pdl()).
+  // Throws like require_device().
+  CudaKernelWorkspace(const plan::Layout& layout, int rank, int device, double timeout_s, bool pdl);
   // The subclass's half of release(): frees its own slab (the device is current); appends what
   // failed to `errors`. Idempotent.
   virtual void release_memory(std::string& errors) = 0;
@@ -179,7 +183,7 @@ class CudaKernelWorkspace : public Workspace {
 class CudaIpcWorkspace final : public CudaKernelWorkspace {
  public:
   CudaIpcWorkspace(const plan::Layout& layout, int rank, int device, uint64_t initial_gen,
-                   double timeout_s);
+                   double timeout_s, bool pdl);
   ~CudaIpcWorkspace() override;  // best-effort close_peers() + release(); never throws
 
   std::string local_token() const override;  // cudaIpcMemHandle_t bytes of our slab
@@ -198,7 +202,9 @@ class CudaIpcWorkspace final : public CudaKernelWorkspace {
 // N virtual ranks on one GPU in one process (tests and the device check program).
 class CudaLoopback {
  public:
-  CudaLoopback(const plan::Layout& layout, int device, uint64_t initial_gen, double timeout_s);
+  // `pdl`: programmatic dependent launch where the GPU allows it (use_pdl()).
+  CudaLoopback(const plan::Layout& layout, int device, uint64_t initial_gen, double timeout_s,
+               bool pdl);
   ~CudaLoopback();
   CudaLoopback(const CudaLoopback&) = delete;
   CudaLoopback& operator=(const CudaLoopback&) = delete;
@@ -228,7 +234,7 @@ class CudaLoopback {
   // before the first launch.
   void use_host_memory();
 
-  // Whether launches use programmatic dependent launch (pdl_enabled(), and no refusal yet).
+  // Whether launches use programmatic dependent launch (use_pdl(), and no refusal yet).
   bool pdl() const { return view_.pdl; }
 
   // Replaces virtual rank `rank`'s slab with `slab` (device-addressable, layout.total_bytes,

@@ -37,28 +37,29 @@ std::unique_ptr<Workspace> make_workspace(const WorkspaceOptions& o) {
   const auto layout = [&](int max_blocks) {
     return plan::make_layout(o.max_numel, o.world, o.elem_bytes, max_blocks);
   };
-  if (o.transport == "host") {
-    return std::make_unique<HostShmWorkspace>(
-        layout(std::min(o.max_blocks, HostShmWorkspace::kMaxBlocks)), o.rank, o.initial_gen,
-        o.timeout_s);
-  }
+  switch (o.transport) {
+    case Kind::kHostShm:
+      return std::make_unique<HostShmWorkspace>(
+          layout(std::min(o.max_blocks, HostShmWorkspace::kMaxBlocks)), o.rank, o.initial_gen,
+          o.timeout_s);
+    case Kind::kCudaIpc:
+    case Kind::kCudaHost:
 #if defined(PCIE_AR_HAVE_CUDA)
-  if (o.transport == "cuda") {
-    return std::make_unique<CudaIpcWorkspace>(layout(o.max_blocks), o.rank, o.device, o.initial_gen,
-                                              o.timeout_s);
-  }
-  if (o.transport == "cuda_host") {
-    return std::make_unique<CudaHostWorkspace>(layout(o.max_blocks), o.rank, o.device,
-                                               o.initial_gen, o.timeout_s);
-  }
+      if (o.transport == Kind::kCudaIpc) {
+        return std::make_unique<CudaIpcWorkspace>(layout(o.max_blocks), o.rank, o.device,
+                                                  o.initial_gen, o.timeout_s, o.pdl);
+      }
+      return std::make_unique<CudaHostWorkspace>(layout(o.max_blocks), o.rank, o.device,
+                                                 o.initial_gen, o.timeout_s, o.pdl);
 #else
-  if (o.transport == "cuda" || o.transport == "cuda_host") {
-    throw std::runtime_error("the " + o.transport +
-                             " transport was requested but pcie_allreduce was built without CUDA");
-  }
+      throw std::runtime_error("the " + std::string(kKindNames.name_of(o.transport)) +
+                               " transport was requested but pcie_allreduce was built without "
+                               "CUDA");
 #endif
-  throw std::invalid_argument("transport must be 'host', 'cuda' or 'cuda_host', got '" +
-                              o.transport + "'");
+  }
+  throw std::invalid_argument("unknown transport code " +
+                              std::to_string(static_cast<int>(o.transport)) + "; expected one of " +
+                              kKindNames.list());
 }
 
 }  // namespace pcie_ar::transport

@@ -28,6 +28,7 @@
 #include "plan/protocol.h"
 #include "plan/step.h"
 #include "plan/tactic.h"
+#include "transport/kind.h"
 
 namespace pcie_ar::transport {
 
@@ -126,20 +127,23 @@ class Workspace {
 };
 
 struct WorkspaceOptions {
-  std::string transport = "host";  // "host", "cuda" (cuda_ipc) or "cuda_host"
-  int64_t max_numel = 0;           // the layout's (plan::make_layout)
+  Kind transport = Kind::kHostShm;
+  int64_t max_numel = 0;  // the layout's (plan::make_layout)
   int world = 0;
   int elem_bytes = 2;
   int max_blocks = plan::kDefaultMaxBlocks;  // a transport may cap it
   int rank = 0;
-  int device = -1;           // CUDA device index (cuda, cuda_host)
+  int device = -1;           // CUDA device index (cuda_ipc, cuda_host)
   uint32_t initial_gen = 0;  // the first call runs initial_gen + 1 (tests cross the wrap)
   double timeout_s = 30.0;   // every wait's deadline; 0 waits forever
+  // CUDA transports: programmatic dependent launch wherever the GPU and the build allow it.
+  bool pdl = true;
 };
 
 // The one place that knows which transports this build has. Lays the workspace out
-// (plan::make_layout) with the transport's block cap. Throws std::invalid_argument for an
-// unknown transport or a bad layout, std::runtime_error for one this build lacks.
+// (plan::make_layout) with the transport's block cap. Throws std::invalid_argument for a value
+// outside Kind or a bad layout, std::runtime_error for a transport this build lacks (both name
+// the transport by its canonical name).
 std::unique_ptr<Workspace> make_workspace(const WorkspaceOptions& options);
 
 }  // namespace pcie_ar::transport

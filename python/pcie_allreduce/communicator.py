@@ -224,12 +224,12 @@ class PcieAllReduce:
         self._take_table(opts)
         self._opts = opts
         self._comm = _C.Communicator(opts)
-        self._transport_detail = _first_detail(opts.transport, self._mode, transport is None)
-        if opts.transport == "host":
+        self._transport_detail = _first_detail(_transport(opts), self._mode, transport is None)
+        if _transport(opts) == "host":
             self._connect()
         elif self._comm.enabled():
             why = self._connect_gpus()
-            if why is not None and opts.transport == "cuda":
+            if why is not None and _transport(opts) == "cuda":
                 self._after_p2p_failure(opts, why)
             elif why is not None:
                 self._comm.disable("no_p2p", f"{why} ({self._transport_detail})")
@@ -272,7 +272,7 @@ class PcieAllReduce:
     def _set_fingerprint(self, opts: "_C.Options") -> None:
         """What this group's tuning cache is valid for (transport, topology key, GPUs)."""
         self._fingerprint_fields = tuning.fingerprint_fields(
-            opts.transport, self.world_size, opts.topology_key, list(opts.island_of),
+            _transport(opts), self.world_size, opts.topology_key, list(opts.island_of),
             self._devices, self._driver, self._links,
         )
         self._fingerprint = tuning.fingerprint(self._fingerprint_fields)
@@ -334,7 +334,7 @@ class PcieAllReduce:
             "world": self.world_size,
             "max_numel": self.max_numel,
             "dtypes": sorted(dtypes),
-            "transport": opts.transport,
+            "transport": _transport(opts),
             "transport_mode": self._mode if self.device.type == "cuda" else "host",
             # A given table is compared by hash; without one, every rank takes rank 0's
             # reading of the host's cache (a file another server may be writing right now).
@@ -474,7 +474,7 @@ class PcieAllReduce:
     def stats(self) -> Dict[str, Any]:
         s = dict(self._comm.stats())
         s["table_source"] = self._table_source
-        s["transport"] = self._opts.transport
+        s["transport"] = _transport(self._opts)
         s["transport_detail"] = self._transport_detail
         s["captures"] = self._captures
         s["fingerprint"] = self._fingerprint
@@ -614,6 +614,15 @@ class PcieAllReduce:
             f"PcieAllReduce(rank={self.rank}, world={self.world_size}, device={self.device}, "
             f"max_numel={self.max_numel}, {state})"
         )
+
+
+# _C.Options.transport reads back the transports' canonical names; this package's stats(),
+# fingerprints and handshake keep the names they have always used.
+_PACKAGE_NAMES = {"host_shm": "host", "cuda_ipc": "cuda", "cuda_host": "cuda_host"}
+
+
+def _transport(opts: "_C.Options") -> str:
+    return _PACKAGE_NAMES[opts.transport]
 
 
 def _first_detail(transport: str, mode: str, from_env: bool) -> str:

@@ -277,7 +277,7 @@ def candidates(transport: str, world: int, island_of: Sequence[int], max_blocks:
                ) -> List[Candidate]:
     """Every tactic the plan layer supports here, in every (blocks, threads) shape worth
     trying on this transport, then the fallback."""
-    shapes = _HOST_SHAPES if transport == "host" else _CUDA_SHAPES
+    shapes = _HOST_SHAPES if transport in ("host", "host_shm") else _CUDA_SHAPES
     out: List[Candidate] = []
     for algorithm in ALGORITHMS:
         for direction in ("push", "pull"):
@@ -642,7 +642,7 @@ def _tail(original_text: str, key: str, world: int, dtypes: Sequence[str]) -> st
     kept = []
     for line in _C.TuningTable.parse(original_text, "table").canonical_text().splitlines():
         topology, w, dtype = line.split(",")[:3]
-        if topology == key and w == str(world) and dtype in dtypes:
+        if topology == _C.TuningTable.canonical_key(key) and w == str(world) and dtype in dtypes:
             continue
         kept.append(line)
     return "# the table in use before this tune, for everything it did not measure\n" + \

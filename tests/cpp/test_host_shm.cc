@@ -622,9 +622,13 @@ TEST(HostShm, TheFactoryCapsHostBlocksAndRejectsUnknownTransports) {
   const auto ws = make_workspace(options);
   EXPECT_EQ(ws->device(), -1);
   EXPECT_EQ(ws->layout().max_blocks, HostShmWorkspace::kMaxBlocks);
-  options.transport = "infiniband";
+  EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { kKindNames.parse("infiniband"); }),
+                       "transport: expected one of host_shm, cuda_ipc, cuda_host (aliases: host = "
+                       "host_shm, cuda = cuda_ipc, p2p = cuda_ipc, hostmem = cuda_host), got "
+                       "'infiniband'"));
+  options.transport = static_cast<Kind>(7);
   EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { make_workspace(options); }),
-                       "transport must be 'host', 'cuda' or 'cuda_host', got 'infiniband'"));
+                       "unknown transport code 7; expected one of host_shm, cuda_ipc, cuda_host"));
 }
 
 TEST(HostShm, OpenPeersRejectsAPeerBuiltWithAnotherLayout) {

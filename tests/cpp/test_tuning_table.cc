@@ -334,6 +334,32 @@ TEST(TuningTable, EmbeddedSeedParsesAndSendsNvlinkToTheFallback) {
   EXPECT_EQ(pick(t, "host", 4, DType::kFP32, 1 << 20).tactic.algorithm, Algorithm::kTwoshot);
 }
 
+TEST(TuningTable, LegacyTransportKeysMeanTheTransportsNames) {
+  EXPECT_EQ(canonical_topology_key("host"), "host_shm");
+  EXPECT_EQ(canonical_topology_key("hostmem"), "cuda_host");
+  EXPECT_EQ(canonical_topology_key("host_shm"), "host_shm");
+  EXPECT_EQ(canonical_topology_key("islands-2x4"), "islands-2x4");
+  // A user's old file and a new one are the same rules: same rows, same hash.
+  const TuningTable old_keys = TuningTable::parse(
+      "host,2,*,0,4096,twoshot,pull,0,1,32\nhostmem,*,*,0,*,oneshot,push,0,8,256,ll\n");
+  const TuningTable new_keys = TuningTable::parse(
+      "host_shm,2,*,0,4096,twoshot,pull,0,1,32\ncuda_host,*,*,0,*,oneshot,push,0,8,256,ll\n");
+  EXPECT_EQ(old_keys.rows()[0].topology, "host_shm");
+  EXPECT_EQ(old_keys.rows()[1].topology, "cuda_host");
+  EXPECT_EQ(old_keys.canonical_text(), new_keys.canonical_text());
+  EXPECT_EQ(old_keys.hash(), new_keys.hash());
+  // A caller may send either spelling.
+  for (const TuningTable* t : {&old_keys, &new_keys}) {
+    for (std::string_view key : {"host", "host_shm"}) {
+      EXPECT_EQ(pick(*t, key, 2, DType::kBF16, 1024).line, 1) << key;
+    }
+    for (std::string_view key : {"hostmem", "cuda_host"}) {
+      EXPECT_EQ(pick(*t, key, 4, DType::kBF16, 1024).line, 2) << key;
+    }
+    EXPECT_TRUE(pick(*t, "flat", 2, DType::kBF16, 1024).fallback);
+  }
+}
+
 TEST(TuningTable, EmbeddedSeedRunsGpusWithoutP2PThroughHostMemoryAtEverySize) {
   const TuningTable t = TuningTable::embedded();
   for (int world : {2, 4, 8}) {
@@ -350,7 +376,7 @@ TEST(TuningTable, EmbeddedSeedRunsGpusWithoutP2PThroughHostMemoryAtEverySize) {
       const auto row = std::find_if(t.rows().begin(), t.rows().end(),
                                     [&](const TableRow& r) { return r.line == c.line; });
       ASSERT_NE(row, t.rows().end());
-      EXPECT_EQ(row->topology, "hostmem") << world << " " << bytes;
+      EXPECT_EQ(row->topology, "cuda_host") << world << " " << bytes;
     }
   }
 }

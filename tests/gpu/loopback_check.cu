@@ -23,7 +23,8 @@
 //   pcie_gpu_check --ll-timeout-test   the same two with the LL protocol: expects an LL
 //   pcie_gpu_check --ll-mismatch-test  timeout / an LL mismatch
 // The failure tests end with a trapped kernel, which kills the CUDA context: run each in its
-// own process. PCIE_ALLREDUCE_PDL=0 turns programmatic dependent launch off.
+// own process. PCIE_ALLREDUCE_PDL=0 turns programmatic dependent launch off (this program reads
+// it and passes the choice on; the library reads no environment).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -64,6 +65,15 @@ constexpr uint64_t kInitialGen = 0xFFFFFF00u;
 constexpr int64_t kGuardBytes = 256;  // poisoned tail after every output
 constexpr int kGraphReplays = 1000;
 constexpr int kMaxReportedFailures = 40;
+
+// Programmatic dependent launch unless PCIE_ALLREDUCE_PDL=0, read once.
+bool pdl_requested() {
+  static const bool requested = [] {
+    const char* env = std::getenv("PCIE_ALLREDUCE_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return requested;
+}
 
 // ------------------------------------------------------------------ bookkeeping
 
@@ -739,7 +749,8 @@ void run_world(int world, bool quick, bool latency, std::vector<std::string>& la
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t max_bytes = 1024 * 1024;
   // elem_bytes 4 so one workspace serves every dtype; max_numel counts bf16 elements.
-  CudaLoopback lb(plan::make_layout(max_bytes / 2, world, 4), 0, kInitialGen, kTimeoutS);
+  CudaLoopback lb(plan::make_layout(max_bytes / 2, world, 4), 0, kInitialGen, kTimeoutS,
+                  pdl_requested());
   g_loopback = &lb;
   const int64_t ll_capacity = lb.layout().ll_capacity_bytes;  // the largest LL message
   std::vector<int64_t> sizes = {
@@ -778,7 +789,7 @@ void run_world_host_mapped(int world, std::vector<std::string>& latency_table) {
   void* device_view = nullptr;
   CHECK_CUDA(cudaHostGetDevicePointer(&device_view, host, 0));
   {
-    CudaLoopback lb(layout, 0, kInitialGen, kTimeoutS);
+    CudaLoopback lb(layout, 0, kInitialGen, kTimeoutS, pdl_requested());
     lb.use_external_slab(0, static_cast<uint8_t*>(device_view), kInitialGen);
     g_loopback = &lb;
     Buffers buf(world, max_bytes);
@@ -833,7 +844,8 @@ void run_world_hostmem(int world, bool latency, std::vector<std::string>& table)
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t max_bytes = 384 * 1024;  // the latency table's largest message
   // elem_bytes 4 so one workspace serves every dtype; max_numel counts bf16 elements.
-  CudaLoopback lb(plan::make_layout(max_bytes / 2, world, 4), 0, kInitialGen, kTimeoutS);
+  CudaLoopback lb(plan::make_layout(max_bytes / 2, world, 4), 0, kInitialGen, kTimeoutS,
+                  pdl_requested());
   lb.use_host_memory();  // before any schedule or launch
   const LoopbackScope scope(lb);
   const int64_t ll_capacity = lb.layout().ll_capacity_bytes;
@@ -887,7 +899,7 @@ plan::Schedule two_rank_schedule(const plan::Tactic& tactic) {
 int timeout_test(Protocol protocol) {
   constexpr uint64_t kGen = 0x1FFFFFFF0ull;  // past 2^32: the diagnostic carries 64 bits
   constexpr double kTimeout = 1.0;
-  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, kTimeout);
+  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, kTimeout, pdl_requested());
   const plan::Tactic tactic = two_rank_tactic(protocol, 2);
   const int id = lb.add_schedule(two_rank_schedule(tactic));
   Buffers buf(2, 1024 * 4);
@@ -927,7 +939,7 @@ int timeout_test(Protocol protocol) {
 // flag's signature differs; LL: the tag of the peer's data names another call.
 int mismatch_test(Protocol protocol) {
   constexpr uint64_t kGen = 7;
-  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, 5.0);
+  CudaLoopback lb(plan::make_layout(1024, 2, 4), 0, kGen, 5.0, pdl_requested());
   const plan::Tactic tactic = two_rank_tactic(protocol, 1);
   const int id = lb.add_schedule(two_rank_schedule(tactic));
   Buffers buf(2, 1024 * 4);

@@ -57,7 +57,9 @@ def _stand_in_for_gpus(rank: int, failure: str) -> List[str]:
 
         @staticmethod
         def Communicator(opts: Any) -> Any:  # noqa: N802 (the name it replaces)
-            transport, device = opts.transport, opts.device
+            # Options.transport reads back canonical names; these tests speak the package's.
+            transport = {"cuda_ipc": "cuda"}.get(opts.transport, opts.transport)
+            device = opts.device
             made.append(transport)
             opts.transport, opts.device = "host", -1
             try:

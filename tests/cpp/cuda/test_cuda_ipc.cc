@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -358,7 +357,7 @@ void expect_no_device_error(Make make) {
 }
 
 // What the factory gets for a two-rank CUDA workspace on device 0.
-WorkspaceOptions cuda_options(const std::string& transport) {
+WorkspaceOptions cuda_options(Kind transport) {
   WorkspaceOptions options;
   options.transport = transport;
   options.max_numel = 4096;
@@ -370,15 +369,15 @@ WorkspaceOptions cuda_options(const std::string& transport) {
 TEST(CudaDevice, WorkspaceSaysNoDeviceIsVisible) {
   if (device_visible()) GTEST_SKIP() << "a CUDA device is visible; this checks GPU-less hosts";
   const plan::Layout layout = plan::make_layout(4096, 2, 2);
-  expect_no_device_error([&] { CudaIpcWorkspace workspace(layout, 0, 0, 0, 30.0); });
-  expect_no_device_error([&] { make_workspace(cuda_options("cuda")); });
+  expect_no_device_error([&] { CudaIpcWorkspace workspace(layout, 0, 0, 0, 30.0, true); });
+  expect_no_device_error([&] { make_workspace(cuda_options(Kind::kCudaIpc)); });
 }
 
 TEST(CudaDevice, HostMemoryWorkspaceSaysNoDeviceIsVisibleAndLeavesNoSegment) {
   if (device_visible()) GTEST_SKIP() << "a CUDA device is visible; this checks GPU-less hosts";
   const plan::Layout layout = plan::make_layout(4096, 2, 2);
-  expect_no_device_error([&] { CudaHostWorkspace workspace(layout, 1, 0, 0, 30.0); });
-  expect_no_device_error([&] { make_workspace(cuda_options("cuda_host")); });
+  expect_no_device_error([&] { CudaHostWorkspace workspace(layout, 1, 0, 0, 30.0, true); });
+  expect_no_device_error([&] { make_workspace(cuda_options(Kind::kCudaHost)); });
   // The device is checked before the segment is created: nothing to clean up.
   EXPECT_TRUE(host_test::segments_of(getpid()).empty());
 }
@@ -386,19 +385,11 @@ TEST(CudaDevice, HostMemoryWorkspaceSaysNoDeviceIsVisibleAndLeavesNoSegment) {
 TEST(CudaDevice, LoopbackSaysNoDeviceIsVisible) {
   if (device_visible()) GTEST_SKIP() << "a CUDA device is visible; this checks GPU-less hosts";
   const plan::Layout layout = plan::make_layout(4096, 4, 4);
-  expect_no_device_error([&] { CudaLoopback loopback(layout, 0, 0, 30.0); });
+  expect_no_device_error([&] { CudaLoopback loopback(layout, 0, 0, 30.0, true); });
 }
 
 TEST(CudaDevice, PdlCanBeSwitchedOffWithoutAskingTheDevice) {
-  const char* saved = std::getenv("PCIE_ALLREDUCE_PDL");
-  const std::string previous = saved != nullptr ? saved : "";
-  ::setenv("PCIE_ALLREDUCE_PDL", "0", 1);
-  EXPECT_FALSE(pdl_enabled(0));  // no CUDA call: works with or without a GPU
-  if (saved != nullptr) {
-    ::setenv("PCIE_ALLREDUCE_PDL", previous.c_str(), 1);
-  } else {
-    ::unsetenv("PCIE_ALLREDUCE_PDL");
-  }
+  EXPECT_FALSE(use_pdl(false, 0));  // no CUDA call: works with or without a GPU
 }
 
 TEST(CudaDevice, TimeoutIsConvertedToNanoseconds) {
