@@ -13,7 +13,7 @@
 #include "plan/layout.h"
 #include "plan/step.h"
 #include "plan/tactic.h"
-#include "transport/host_reduce.h"
+#include "transport/executors/host/reduce.h"
 
 namespace {
 

@@ -15,7 +15,7 @@
 #include "plan/topology.h"
 #include "plan/tuning_table.h"
 #include "plan/verify.h"
-#include "transport/host_reduce.h"
+#include "transport/executors/host/reduce.h"
 #include "transport/kind.h"
 
 namespace py = pybind11;

@@ -1,5 +1,4 @@
-// How the cuda_host transport pins the shared segments and points the executor at them: plain
-// C++ over the CUDA runtime API. See cuda_host.h.
+// cuda_host: pinned shared segments under the CUDA executor; see cuda_host.h.
 #include "transport/cuda_host.h"
 
 #include <cuda_runtime.h>
@@ -7,32 +6,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "transport/cuda_util.h"
+#include "transport/memory/cuda_device.h"
+#include "transport/memory/cuda_host_registrar.h"
+#include "transport/memory/cuda_memory.h"
 
 namespace pcie_ar::transport {
-
-uint8_t* CudaHostRegistrar::pin(uint8_t* host, uint64_t bytes) {
-  DeviceGuard guard(device_);
-  check(cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
-        "cudaHostRegister(mapped | portable) on GPU " + std::to_string(device_));
-  void* device_view = nullptr;
-  const cudaError_t err = cudaHostGetDevicePointer(&device_view, host, 0);
-  if (err != cudaSuccess) {
-    cudaHostUnregister(host);
-    check(err, "cudaHostGetDevicePointer on GPU " + std::to_string(device_));
-  }
-  return static_cast<uint8_t*>(device_view);
-}
-
-std::string CudaHostRegistrar::unpin(uint8_t* host) noexcept {
-  try {
-    DeviceGuard guard(device_);
-    check(cudaHostUnregister(host), "cudaHostUnregister");
-    return "";
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-}
 
 CudaHostWorkspace::CudaHostWorkspace(const plan::Layout& layout, int rank, int device,
                                      uint32_t initial_gen, double timeout_s, bool pdl)

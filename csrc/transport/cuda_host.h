@@ -1,20 +1,19 @@
-// The cuda_host transport: the CUDA executor over shared pinned host memory, for GPUs without
-// peer-to-peer (consumer cards whose driver disables it, IOMMU/ACS or VMs that block it).
+// cuda_host: the CUDA executor (executors/cuda/kernel_workspace.h) over shared pinned host
+// memory (memory/shared_pinned.h), for GPUs without peer-to-peer (consumer cards whose driver
+// disables it, IOMMU/ACS or VMs that block it).
 //
-// Every rank's workspace is a POSIX shared-memory segment (the host transport's, reused through
-// SharedPinnedSegments) that each process pins with cudaHostRegister (mapped, portable) for its
-// GPU. The kernels and step lists are cuda_ipc's, unchanged: a "peer write" is a posted PCIe
-// write into host memory, a "peer read" a read of host DRAM, and every flag and LL word a rank
-// polls is in host memory, so each poll is a PCIe round trip. What only the rank itself reads,
-// its generation counters, lives in device memory instead: otherwise every call would start
-// with a round trip to host memory.
+// Every rank's workspace is a POSIX shared-memory segment (memory/shm_segments.h, the host
+// transport's) that each process pins with cudaHostRegister (mapped, portable) for its GPU. The
+// kernels and step lists are cuda_ipc's, unchanged: a "peer write" is a posted PCIe write into
+// host memory, a "peer read" a read of host DRAM, and every flag and LL word a rank polls is in
+// host memory, so each poll is a PCIe round trip. What only the rank itself reads, its generation
+// counters, lives in device memory instead: otherwise every call would start with a round trip
+// to host memory.
 //
 // Same guarantees as cuda_ipc: bounded waits that name the peer, parity double buffering,
 // capture-safe launches, bitwise-identical results, and nothing left in /dev/shm (the segment
 // name is unlinked at retire_token(), or on any failure before it).
 #pragma once
-
-#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <memory>
@@ -22,26 +21,15 @@
 #include <vector>
 
 #include "plan/layout.h"
-#include "transport/cuda_ipc.h"
-#include "transport/shared_pinned.h"
+#include "transport/executors/cuda/kernel_workspace.h"
+#include "transport/memory/shared_pinned.h"
 
 namespace pcie_ar::transport {
-
-// Pins host memory for `device` with cudaHostRegister(mapped | portable).
-class CudaHostRegistrar final : public HostRegistrar {
- public:
-  explicit CudaHostRegistrar(int device) : device_(device) {}
-  uint8_t* pin(uint8_t* host, uint64_t bytes) override;
-  std::string unpin(uint8_t* host) noexcept override;
-
- private:
-  int device_;
-};
 
 class CudaHostWorkspace final : public CudaKernelWorkspace {
  public:
   // Requires a visible device first (nothing is created in /dev/shm without one), then creates
-  // and pins this rank's segment and the device counters.
+  // and pins this rank's segment and the device counters. `pdl`: as CudaIpcWorkspace.
   CudaHostWorkspace(const plan::Layout& layout, int rank, int device, uint32_t initial_gen,
                     double timeout_s, bool pdl);
   ~CudaHostWorkspace() override;  // best-effort close_peers() + release(); never throws

@@ -6,7 +6,9 @@
 //   cuda_ipc   CUDA kernels over cudaMalloc slabs that peers map with CUDA IPC handles
 //   cuda_host  the same kernels over shared pinned host memory (GPUs without peer-to-peer)
 //
-// A new transport is a new file implementing Workspace plus one line in make_workspace().
+// Each transport is memory (memory/: shm segments, CUDA slabs and IPC handles, pinned host
+// memory) plus an executor (executors/host, executors/cuda), joined in one short file. A new
+// transport is such a file, a Kind (kind.h) and one case in make_workspace().
 //
 // Lifecycle, collective (every rank does each step; the caller owns the process group):
 //   auto ws = make_workspace(options);     // allocates this rank's memory

@@ -755,7 +755,7 @@ TEST(HostShm, ASegmentOrphanedByADeadCreatorIsReclaimedByTheNextWorkspace) {
   ASSERT_FALSE(orphan.empty()) << "the child could not create its workspace";
   EXPECT_TRUE(contains(orphan, "/pcie_ar." + std::to_string(orphan_maker) + ".")) << orphan;
   EXPECT_TRUE(segment_exists(orphan)) << "the dead creator's segment should still be linked";
-  HostShmWorkspace::reclaim_orphaned_segments();
+  reclaim_orphaned_segments();
   EXPECT_TRUE(segment_exists(orphan)) << "reclaimed while its creator was not yet reaped";
   int status = 0;
   ASSERT_EQ(waitpid(orphan_maker, &status, 0), orphan_maker);

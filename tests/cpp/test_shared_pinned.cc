@@ -17,7 +17,7 @@
 
 #include "host_test_util.h"
 #include "plan/layout.h"
-#include "transport/shared_pinned.h"
+#include "transport/memory/shared_pinned.h"
 
 namespace pcie_ar::transport {
 namespace {

@@ -47,7 +47,8 @@
 #include "plan/protocol.h"
 #include "plan/schedule.h"
 #include "plan/tactic.h"
-#include "transport/cuda_ipc.h"
+#include "support/cuda_loopback.h"
+#include "transport/memory/cuda_device.h"
 
 namespace {
 

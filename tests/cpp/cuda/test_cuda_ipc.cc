@@ -20,6 +20,7 @@
 #include "plan/program_check.h"
 #include "plan/schedule.h"
 #include "plan/tactic.h"
+#include "support/cuda_loopback.h"
 #include "transport/cuda_host.h"
 #include "transport/cuda_ipc.h"
 #include "transport/workspace.h"

@@ -1,7 +1,8 @@
-// Device primitives of the CUDA IPC transport: 16-byte vector loads and stores with the cache
+// The CUDA executor's primitives on a GPU, in PTX: 16-byte vector loads and stores with the cache
 // behaviour each direction needs, the system-scope flag operations of the generation protocol,
 // the LL (flag-in-data) loads and stores, programmatic dependent launch, the global timer that
-// bounds every wait, and fp32 accumulation for bf16/fp16/fp32 vectors.
+// bounds every wait, and fp32 accumulation for bf16/fp16/fp32 vectors. Included through
+// primitives.cuh, never directly.
 //
 // Why these flavours: peers write our slots over PCIe behind the SM's back, and L1 is not
 // coherent with those writes, so nothing that a peer wrote may be read through L1. Flags are

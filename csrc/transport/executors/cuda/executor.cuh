@@ -21,8 +21,8 @@
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
-#include "transport/kernels/launch.h"
-#include "transport/kernels/primitives.cuh"
+#include "transport/executors/cuda/launch.h"
+#include "transport/executors/cuda/primitives.cuh"
 
 namespace pcie_ar::transport::kernels {
 

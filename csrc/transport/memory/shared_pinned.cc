@@ -1,5 +1,5 @@
 // The pinning half of the cuda_host transport's memory; see shared_pinned.h.
-#include "transport/shared_pinned.h"
+#include "transport/memory/shared_pinned.h"
 
 #include <stdexcept>
 #include <utility>
@@ -9,15 +9,14 @@ namespace pcie_ar::transport {
 SharedPinnedSegments::SharedPinnedSegments(const plan::Layout& layout, int rank,
                                            uint32_t initial_gen,
                                            std::unique_ptr<HostRegistrar> registrar)
-    // The host executor never runs here, so its timeout is irrelevant: 0.
-    : shm_(layout, rank, initial_gen, 0.0), registrar_(std::move(registrar)) {
+    : shm_(layout, rank, initial_gen), registrar_(std::move(registrar)) {
   if (registrar_ == nullptr) {
     shm_.release();
     throw std::invalid_argument("SharedPinnedSegments needs a registrar");
   }
   device_.assign(layout.world, nullptr);
   try {
-    device_[rank] = registrar_->pin(shm_.mapped_base(rank), layout.total_bytes);
+    device_[rank] = registrar_->pin(shm_.base(rank), layout.total_bytes);
   } catch (const std::exception& e) {
     shm_.release();  // unmaps and unlinks: nothing left in /dev/shm
     throw std::runtime_error("rank " + std::to_string(rank) + ": its own " +
@@ -40,7 +39,7 @@ uint8_t* SharedPinnedSegments::device_base(int r) const {
 void SharedPinnedSegments::unpin(int r, std::string& errors) noexcept {
   if (device_[r] == nullptr) return;
   device_[r] = nullptr;
-  std::string why = registrar_->unpin(shm_.mapped_base(r));
+  std::string why = registrar_->unpin(shm_.base(r));
   if (!why.empty()) errors += " rank " + std::to_string(r) + "'s segment: " + why + ";";
 }
 
@@ -56,13 +55,13 @@ void SharedPinnedSegments::open_peers(const std::vector<std::string>& tokens) {
   try {
     for (peer = 0; peer < layout().world; ++peer) {
       if (peer == rank()) continue;
-      device_[peer] = registrar_->pin(shm_.mapped_base(peer), layout().total_bytes);
+      device_[peer] = registrar_->pin(shm_.base(peer), layout().total_bytes);
     }
   } catch (const std::exception& e) {
     std::string ignored;
     unpin_peers(ignored);
     shm_.close_peers();
-    shm_.retire_token();
+    shm_.unlink();
     throw std::runtime_error("rank " + std::to_string(rank()) + ": rank " + std::to_string(peer) +
                              "'s workspace segment cannot be pinned for the GPU: " + e.what());
   }

@@ -1,6 +1,7 @@
-// The boundary between the CUDA transport's host code (plain C++, cuda_ipc.cc) and its kernels
-// (launch.cu, the only file nvcc compiles): what one launch carries, and the few host
-// functions that need the kernels' symbols. Compiles with a plain C++ compiler.
+// The boundary between the CUDA executor's host code (plain C++: kernel_workspace.cc and the
+// files beside it) and its kernels (launch.cu, the only file nvcc compiles): what one launch
+// carries, and the few host functions that need the kernels' symbols. Compiles with a plain C++
+// compiler.
 #pragma once
 
 #include <cuda_runtime_api.h>

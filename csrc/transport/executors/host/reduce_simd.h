@@ -1,7 +1,7 @@
-// Internal to the host reduce (host_reduce.cc, host_reduce_x86.cc): the per-ISA reducer tables.
+// Internal to the host reduce (reduce.cc, reduce_x86.cc): the per-ISA reducer tables.
 #pragma once
 
-#include "transport/host_reduce.h"
+#include "transport/executors/host/reduce.h"
 
 namespace pcie_ar::transport::detail {
 

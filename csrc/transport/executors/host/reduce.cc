@@ -1,5 +1,5 @@
-// The scalar reference reducer and the run-time choice among the reducers (host_reduce.h).
-#include "transport/host_reduce.h"
+// The scalar reference reducer and the run-time choice among the reducers (reduce.h).
+#include "transport/executors/host/reduce.h"
 
 #include <atomic>
 #include <bit>
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "plan/layout.h"
-#include "transport/host_reduce_simd.h"
+#include "transport/executors/host/reduce_simd.h"
 
 namespace pcie_ar::transport {
 namespace {

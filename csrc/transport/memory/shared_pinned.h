@@ -1,9 +1,9 @@
 // Every rank's workspace in POSIX shared memory, pinned for this process's GPU: the memory of the
 // cuda_host transport (GPUs without peer-to-peer). The segments are the host transport's
-// (HostShmWorkspace creates, names, sizes, protects, maps and unlinks them, and reclaims those
-// of dead creators); this class adds the pinning, through a HostRegistrar, so that what is
-// pinned when, what a failure undoes and the teardown order are plain C++ that tests check
-// without a GPU (tests/cpp/test_shared_pinned.cc). cuda_host.cc supplies the CUDA registrar.
+// (ShmSegments creates, names, sizes, protects, maps and unlinks them, and reclaims those of
+// dead creators); this class adds the pinning, through a HostRegistrar, so that what is pinned
+// when, what a failure undoes and the teardown order are plain C++ that tests check without a
+// GPU (tests/cpp/test_shared_pinned.cc). cuda_host_registrar.h is the CUDA registrar.
 //
 // One segment per rank rather than one for the group: each rank creates (and first-touches) its
 // own, so on a two-socket host a rank's slots and flags sit in its own socket's memory, and the
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "plan/layout.h"
-#include "transport/host_shm.h"
+#include "transport/memory/shm_segments.h"
 
 namespace pcie_ar::transport {
 
@@ -39,7 +39,7 @@ class HostRegistrar {
 
 class SharedPinnedSegments {
  public:
-  // Creates our segment (HostShmWorkspace: control area at initial_gen, data zeroed) and pins
+  // Creates our segment (ShmSegments: control area at initial_gen, data zeroed) and pins
   // it. If pinning fails the segment is unmapped and unlinked and the error names this rank.
   SharedPinnedSegments(const plan::Layout& layout, int rank, uint32_t initial_gen,
                        std::unique_ptr<HostRegistrar> registrar);
@@ -49,7 +49,7 @@ class SharedPinnedSegments {
 
   const plan::Layout& layout() const { return shm_.layout(); }
   int rank() const { return shm_.rank(); }
-  std::string local_token() const { return shm_.local_token(); }
+  std::string local_token() const { return shm_.name(); }
 
   // Maps every peer's segment (tokens[r] is rank r's local_token()), then pins each. Throws
   // naming the peer whose segment cannot be mapped or pinned; before it does, everything
@@ -57,7 +57,7 @@ class SharedPinnedSegments {
   // the barrier, and a peer that has not mapped us yet fails at once instead of waiting).
   // std::logic_error if the peers are open already.
   void open_peers(const std::vector<std::string>& tokens);
-  void retire_token() noexcept { shm_.retire_token(); }
+  void retire_token() noexcept { shm_.unlink(); }
   // Unpins every peer's segment, then unmaps them. Throws listing the peers whose unpin failed,
   // after every one was attempted (the mappings go regardless).
   void close_peers();
@@ -68,7 +68,7 @@ class SharedPinnedSegments {
   // Rank r's segment as the GPU addresses it (pinned), or null when it is not.
   uint8_t* device_base(int r) const;
   // Rank r's segment as this process maps it, or null.
-  uint8_t* host_base(int r) const { return shm_.mapped_base(r); }
+  uint8_t* host_base(int r) const { return shm_.base(r); }
 
  private:
   // Unpins rank r's segment (every peer's) if pinned; appends failures to `errors`.
@@ -76,7 +76,7 @@ class SharedPinnedSegments {
   void unpin_peers(std::string& errors) noexcept;
   void throw_unpin_errors(const std::string& errors) const;
 
-  HostShmWorkspace shm_;
+  ShmSegments shm_;
   std::unique_ptr<HostRegistrar> registrar_;
   std::vector<uint8_t*> device_;  // device_[r]: rank r's segment as pinned, or null
 };

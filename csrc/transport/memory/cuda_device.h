@@ -1,14 +1,11 @@
-// Host-side helpers the CUDA transports share (cuda_ipc.cc, cuda_host.cc): error text, a scoped
-// current device, and device memory for generation counters. Plain C++ over the runtime API.
+// The CUDA runtime as the CUDA memory and executor use it: errors as exceptions that name the
+// call, the device a workspace needs, and a scoped current device. Plain C++ over the runtime API.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include <cstdint>
 #include <stdexcept>
 #include <string>
-
-#include "plan/layout.h"
 
 namespace pcie_ar::transport {
 
@@ -42,9 +39,8 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-// Device memory holding one rank's generation counters at initial_gen, addressed like a slab
-// (plan::Layout::gen_counter_offset from the returned pointer): for a slab far from the GPU.
-// Free it with cudaFree.
-uint8_t* allocate_device_counters(const plan::Layout& layout, uint64_t initial_gen);
+// Throws std::runtime_error "CUDA was requested but no CUDA device is visible (...)" when no
+// GPU is usable, and std::invalid_argument when `device` is not one of the visible devices.
+void require_device(int device);
 
 }  // namespace pcie_ar::transport

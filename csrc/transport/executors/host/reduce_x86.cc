@@ -1,16 +1,16 @@
 // The x86-64 vector reducers: AVX2 (+F16C) and AVX-512 (F/BW/VL), each compiled for its own ISA
 // with target attributes, so one build runs on any x86-64 CPU and the dispatcher
-// (host_reduce.cc) picks what the CPU runs. Each mirrors the scalar reference exactly:
+// (reduce.cc) picks what the CPU runs. Each mirrors the scalar reference exactly:
 //   - operands are widened to fp32 exactly (bf16: zero words interleaved below each element;
 //     fp16: the hardware conversion, exact for every half value) and added in operand order,
 //     one IEEE add per operand, as the scalar loop does;
-//   - a NaN sum becomes the canonical NaN (host_reduce.h);
+//   - a NaN sum becomes the canonical NaN (reduce.h);
 //   - bf16 is rounded with the scalar codec's integer formula (x + 0x7fff + lsb) >> 16;
 //   - fp16 is rounded by the hardware (round to nearest even, exceptions suppressed), whose
 //     results on overflow and subnormals equal the scalar codec's.
 // Every operand of a group is loaded before the group is stored, so dst may alias a source.
 // The last vectors that do not fill a group run through the scalar reducer.
-#include "transport/host_reduce_simd.h"
+#include "transport/executors/host/reduce_simd.h"
 
 #if defined(__x86_64__)
 

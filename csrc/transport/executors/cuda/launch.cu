@@ -1,13 +1,13 @@
 // The only translation unit nvcc compiles: the six executor instantiations (dtype × direction),
-// the P2P probe kernel, and the host functions that launch them (kernels/launch.h), with
+// the P2P probe kernel, and the host functions that launch them (launch.h), with
 // programmatic dependent launch where the workspace asks for it.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
 
-#include "transport/kernels/executor.cuh"
-#include "transport/kernels/launch.h"
+#include "transport/executors/cuda/executor.cuh"
+#include "transport/executors/cuda/launch.h"
 
 namespace pcie_ar::transport {
 namespace {

@@ -1,0 +1,65 @@
+// How a launch's parameters are put together, and whether it may use PDL; see launch_params.h.
+#include "transport/executors/cuda/launch_params.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "transport/memory/cuda_device.h"
+
+namespace pcie_ar::transport {
+
+LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet& programs,
+                                plan::DType dtype, int blocks, int threads,
+                                const void* const* inputs, void* const* outputs, int64_t numel,
+                                uint32_t signature, int first_rank, int ranks_in_launch) {
+  LaunchParams p;
+  p.layout = workspace.layout;
+  for (int r = 0; r < plan::kMaxWorld; ++r) {
+    p.bases[r] = workspace.bases[r];
+    p.counters[r] = workspace.counters[r] != nullptr ? workspace.counters[r] : workspace.bases[r];
+    p.programs[r] = programs.device[r];
+  }
+  for (int r = first_rank; r >= 0 && r < first_rank + ranks_in_launch && r < plan::kMaxWorld; ++r) {
+    p.inputs[r] = inputs[r];
+    p.outputs[r] = outputs[r];
+  }
+  p.diag = workspace.diag;
+  p.claim = workspace.claim;
+  p.numel = numel;
+  p.timeout_ns = workspace.timeout_ns;
+  p.signature = signature;
+  p.dtype = dtype;
+  p.direction = programs.direction;
+  p.blocks = blocks;
+  p.threads = threads;
+  p.first_rank = first_rank;
+  p.ranks_in_launch = ranks_in_launch;
+  p.pdl = workspace.pdl;
+  p.slots_in_host_memory = workspace.slots_in_host_memory;
+  return p;
+}
+
+uint64_t timeout_to_ns(double timeout_s) {
+  if (!std::isfinite(timeout_s) || timeout_s < 0) {
+    throw std::invalid_argument(
+        "the all-reduce timeout must be a finite number of seconds >= 0 "
+        "(0 waits forever), got " +
+        std::to_string(timeout_s));
+  }
+  const double ns = timeout_s * 1e9;
+  return ns >= 1.8e19 ? 0 : static_cast<uint64_t>(ns);  // beyond 570 years: forever
+}
+
+bool pdl_enabled(int device) {
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
+  return major >= 9 && executor_waits_for_previous_grid();
+}
+
+bool use_pdl(bool requested, int device) { return requested && pdl_enabled(device); }
+
+}  // namespace pcie_ar::transport

@@ -1,0 +1,393 @@
+// How the host executor walks a step list: 16-byte vectors, flags and LL words over plain
+// pointers into every rank's memory. The protocol itself (flags, LL words, generations, parity
+// double buffer, diagnostics) is plan/protocol.h and the arithmetic is reduce.h; see executor.h.
+#include "transport/executors/host/executor.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "transport/executors/host/reduce.h"
+
+namespace pcie_ar::transport {
+namespace {
+
+using plan::BufRef;
+using plan::FlagWord;
+using plan::Space;
+using plan::Step;
+using plan::StepKind;
+
+// Peers are separate processes: the flag protocol is only sound if these atomics never fall
+// back to a process-local lock.
+static_assert(std::atomic_ref<uint32_t>::is_always_lock_free);
+static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
+
+// LL operands are decoded into (and LL destinations encoded from) tiles of this many vectors
+// on the stack: 1 KiB of payload, in L1 while the reduce uses it.
+constexpr int64_t kLLTileVecs = 64;
+constexpr int kWordsPerVec = plan::kVectorBytes / sizeof(uint32_t);  // one LL word per payload word
+// A reduce with two destinations sums this many vectors (8 KiB: operands and result stay in a
+// 32 KiB L1) into the first, then copies them to the second.
+constexpr int64_t kFusedTileVecs = 512;
+
+// A few hundred polls cover a peer that is already running on another core; past that the peer
+// is probably waiting for our core (CI runs 8 ranks on 2), so give it away.
+constexpr int kSpinPolls = 256;
+// steady_clock is cheap but not free; the deadline only needs checking every few yields (a
+// yield on an oversubscribed core can cost a scheduler slice, so not too few).
+constexpr int kPollsPerClockCheck = 8;
+// Beyond this a timeout is indistinguishable from "forever", and the deadline arithmetic
+// would overflow.
+constexpr double kMaxFiniteTimeoutS = 1e9;
+
+// Tells the core a spin-wait is in progress (frees pipeline resources for a sibling
+// hyperthread, which may be the peer we wait for).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// How long a wait may poll: the deadline of every wait, or none.
+struct WaitBudget {
+  double seconds;  // as configured, for messages; 0 waits forever
+  bool bounded;
+  std::chrono::steady_clock::duration timeout;
+
+  explicit WaitBudget(double timeout_s)
+      : seconds(timeout_s),
+        bounded(timeout_s > 0.0 && timeout_s < kMaxFiniteTimeoutS),
+        timeout(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+            std::chrono::duration<double>(bounded ? timeout_s : 0.0))) {}
+};
+
+// Polls `load()` until `done(value)`: spins briefly, then yields (ranks may outnumber cores),
+// calling `idle()` once per yield (the test hook). Returns the last value seen, which is not
+// done only if the budget ran out.
+template <typename Load, typename Done, typename Idle>
+auto await_value(const Load& load, const Done& done, const WaitBudget& budget, const Idle& idle) {
+  auto seen = load();
+  for (int poll = 0; !done(seen) && poll < kSpinPolls; ++poll) {
+    cpu_relax();
+    seen = load();
+  }
+  if (done(seen)) return seen;
+  const auto deadline = std::chrono::steady_clock::now() + budget.timeout;
+  for (int poll = 1; !done(seen); ++poll) {
+    idle();
+    sched_yield();
+    seen = load();
+    if (budget.bounded && poll % kPollsPerClockCheck == 0 &&
+        std::chrono::steady_clock::now() >= deadline) {
+      return load();  // one last look
+    }
+  }
+  return seen;
+}
+
+// One block's pass over a rank's step list: the host counterpart of the CUDA executor's CTA,
+// with the same named pieces. Block b owns slice b of every chunk and its own flags.
+class BlockPass {
+ public:
+  using StepHook = HostExecutor::StepHook;
+
+  BlockPass(const std::vector<uint8_t*>& bases, const plan::Layout& layout,
+            const plan::Program& program, const Call& call, int rank, int block,
+            const WaitBudget& budget, const StepHook* hook)
+      : bases_(bases),
+        layout_(layout),
+        program_(program),
+        call_(call),
+        rank_(rank),
+        block_(block),
+        budget_(budget),
+        hook_(hook) {
+    // The generation lives in the workspace and only this executor advances it.
+    const uint64_t gen =
+        std::atomic_ref<uint64_t>(counter(block)).load(std::memory_order_relaxed) + 1;
+    at_ = plan::CallPosition{static_cast<uint32_t>(rank), static_cast<uint32_t>(block), gen,
+                             static_cast<uint32_t>(call.numel), call.signature};
+    parity_ = plan::gen_parity(gen);
+    tag_ = plan::ll_tag(gen, at_.numel, at_.signature);
+    num_vecs_ = call.numel * plan::dtype_bytes(call.dtype) / plan::kVectorBytes;
+  }
+
+  void run_steps(ReduceFn reduce) const {
+    for (int index = 0; index < program_.num_steps; ++index) {
+      if (hook_ != nullptr) [[unlikely]] {
+        (*hook_)(HostExecutor::StepPoint{block_, index, false});
+      }
+      const Step& step = program_.steps[index];
+      switch (step.kind) {
+        case StepKind::kReduce:
+          run_reduce(index, step, reduce);
+          break;
+        case StepKind::kSignal:
+          raise_flag(step);
+          break;
+        case StepKind::kWait:
+          wait_flag(index, step);
+          break;
+      }
+    }
+  }
+
+  // End of the call (plan/protocol.h): the counters of this block's residue class take this
+  // generation. Flags need nothing.
+  void finish_call() const {
+    for (int other = block_; other < layout_.max_blocks; other += call_.blocks) {
+      std::atomic_ref<uint64_t>(counter(other)).store(at_.gen, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  uint64_t& counter(int block) const {
+    return *reinterpret_cast<uint64_t*>(bases_[rank_] + layout_.gen_counter_offset(block));
+  }
+
+  uint8_t* resolve(const BufRef& ref, int64_t first_vec) const {
+    uint8_t* base = nullptr;
+    switch (ref.space) {
+      case Space::kInput:
+        base = static_cast<uint8_t*>(const_cast<void*>(call_.input));
+        break;
+      case Space::kOutput:
+        base = static_cast<uint8_t*>(call_.output);
+        break;
+      case Space::kSlot:
+        base = bases_[ref.owner] + layout_.slot_offset(parity_, ref.slot);
+        break;
+      case Space::kLL:
+        return bases_[ref.owner] + layout_.ll_slot_offset(parity_, ref.slot) +
+               first_vec * plan::kVectorBytes * plan::kLLExpansion;
+    }
+    return base + first_vec * plan::kVectorBytes;
+  }
+
+  static bool touches_ll(const Step& step) {
+    if (step.dst.space == Space::kLL) return true;
+    for (int s = 0; s < step.num_srcs; ++s) {
+      if (step.srcs[s].space == Space::kLL) return true;
+    }
+    return false;
+  }
+
+  FlagWord* flag_word(const Step& step) const {
+    return reinterpret_cast<FlagWord*>(bases_[step.flag_owner] +
+                                       layout_.flag_offset(parity_, block_, step.flag));
+  }
+
+  void run_reduce(int index, const Step& step, ReduceFn reduce) const {
+    const plan::VecRange range =
+        plan::slice_range(num_vecs_, program_.num_chunks, step.chunk, call_.blocks, block_);
+    if (range.end <= range.begin) return;
+    if (touches_ll(step)) {
+      for (int64_t v = range.begin; v < range.end; v += kLLTileVecs) {
+        run_ll_tile(index, step, reduce, v, std::min(kLLTileVecs, range.end - v));
+      }
+      return;
+    }
+    uint8_t* dst = resolve(step.dst, range.begin);
+    const uint8_t* srcs[plan::kMaxSources];
+    for (int s = 0; s < step.num_srcs; ++s) srcs[s] = resolve(step.srcs[s], range.begin);
+    const int64_t count = range.end - range.begin;
+    if (step.num_dsts != 2) {
+      combine(dst, srcs, step.num_srcs, count, reduce);
+      return;
+    }
+    // Two destinations in one pass: each tile is summed into dst, then copied on to dst2 while
+    // it is still in L1, instead of reading the whole result back from further away.
+    uint8_t* dst2 = resolve(step.dst2, range.begin);
+    for (int64_t v = 0; v < count; v += kFusedTileVecs) {
+      const int64_t n = std::min(kFusedTileVecs, count - v);
+      const int64_t at = v * plan::kVectorBytes;
+      const uint8_t* tile[plan::kMaxSources];
+      for (int s = 0; s < step.num_srcs; ++s) tile[s] = srcs[s] + at;
+      combine(dst + at, tile, step.num_srcs, n, reduce);
+      std::memcpy(dst2 + at, dst + at, n * plan::kVectorBytes);
+    }
+  }
+
+  // dst = the sum of srcs; a copy moves bits untouched (NaN payloads included), in place is a
+  // no-op.
+  static void combine(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t count,
+                      ReduceFn reduce) {
+    if (num_srcs == 1) {
+      if (dst != srcs[0]) std::memmove(dst, srcs[0], count * plan::kVectorBytes);
+    } else {
+      reduce(dst, srcs, num_srcs, count);
+    }
+  }
+
+  // One tile of a reduce that touches LL slots: every LL operand is awaited and decoded into a
+  // stack tile (and its tags reset), the sum is formed as usual, and an LL destination is
+  // written tagged. A single-operand step decodes or encodes in one pass.
+  void run_ll_tile(int index, const Step& step, ReduceFn reduce, int64_t first,
+                   int64_t count) const {
+    alignas(64) uint8_t decoded[plan::kMaxSources][kLLTileVecs * plan::kVectorBytes];
+    alignas(64) uint8_t summed[kLLTileVecs * plan::kVectorBytes];
+    const bool ll_dst = step.dst.space == Space::kLL;
+    const bool copy = step.num_srcs == 1;
+    uint8_t* out = ll_dst ? summed : resolve(step.dst, first);
+    const uint8_t* srcs[plan::kMaxSources];
+    for (int s = 0; s < step.num_srcs; ++s) {
+      const BufRef& src = step.srcs[s];
+      if (src.space != Space::kLL) {
+        srcs[s] = resolve(src, first);
+        continue;
+      }
+      uint8_t* into = copy && !ll_dst ? out : decoded[s];
+      await_ll(index, step, src, resolve(src, first), into, count);
+      srcs[s] = into;
+    }
+    if (copy && ll_dst) {
+      store_ll(srcs[0], resolve(step.dst, first), count);
+      return;
+    }
+    if (!(copy && srcs[0] == out)) combine(out, srcs, step.num_srcs, count, reduce);
+    if (ll_dst) store_ll(out, resolve(step.dst, first), count);
+  }
+
+  // Writes `count` payload vectors as LL words: one 64-bit release store per payload word (a
+  // plain store on x86), so a reader that sees the tag sees the payload beside it.
+  void store_ll(const uint8_t* payload, uint8_t* ll, int64_t count) const {
+    const auto* words = reinterpret_cast<const uint32_t*>(payload);
+    auto* out = reinterpret_cast<uint64_t*>(ll);
+    for (int64_t i = 0; i < count * kWordsPerVec; ++i) {
+      std::atomic_ref<uint64_t>(out[i]).store(plan::ll_word(words[i], tag_),
+                                              std::memory_order_release);
+    }
+  }
+
+  // Waits for `count` payload vectors of LL slot `src` (this rank's memory, at `ll`), copies
+  // their payload to `payload`, and resets each word's tag to the stale parity.
+  void await_ll(int index, const Step& step, const BufRef& src, uint8_t* ll, uint8_t* payload,
+                int64_t count) const {
+    auto* words = reinterpret_cast<uint64_t*>(ll);
+    auto* out = reinterpret_cast<uint32_t*>(payload);
+    const uint64_t stale = plan::ll_word(0, plan::ll_stale(tag_));
+    // The writer stores the tile in order: wait for its last word first, so this core does not
+    // chase the writer's core cache line by cache line. Every word is still checked below.
+    const int64_t last = count * kWordsPerVec - 1;
+    if (plan::ll_word_tag(std::atomic_ref<uint64_t>(words[last]).load(std::memory_order_acquire)) !=
+        tag_) {
+      await_ll_word(index, step, src, std::atomic_ref<uint64_t>(words[last]));
+    }
+    for (int64_t i = 0; i <= last; ++i) {
+      const std::atomic_ref<uint64_t> word(words[i]);
+      uint64_t seen = word.load(std::memory_order_acquire);
+      if (plan::ll_word_tag(seen) != tag_) seen = await_ll_word(index, step, src, word);
+      out[i] = plan::ll_word_payload(seen);
+      word.store(stale, std::memory_order_relaxed);
+    }
+  }
+
+  uint64_t await_ll_word(int index, const Step& step, const BufRef& src,
+                         const std::atomic_ref<uint64_t>& word) const {
+    const uint32_t expected = tag_;
+    const uint64_t seen = await_value([&] { return word.load(std::memory_order_acquire); },
+                                      [expected](uint64_t w) {
+                                        const uint32_t tag = plan::ll_word_tag(w);
+                                        return tag == expected || plan::ll_foreign(tag, expected);
+                                      },
+                                      budget_, [&] { idle(index); });
+    const uint32_t tag = plan::ll_word_tag(seen);
+    if (tag == expected) return seen;
+    const auto kind = plan::ll_foreign(tag, expected) ? plan::FailureKind::kLLMismatch
+                                                      : plan::FailureKind::kLLTimeout;
+    fail(plan::make_ll_diagnostic(kind, at_, index, step, src, tag, expected));
+  }
+
+  void raise_flag(const Step& step) const {
+    FlagWord* flag = flag_word(step);
+    std::atomic_ref<uint32_t>(flag->numel).store(at_.numel, std::memory_order_relaxed);
+    std::atomic_ref<uint32_t>(flag->signature).store(at_.signature, std::memory_order_relaxed);
+    // Release: the payload stores above (data and call identity) happen-before any reader
+    // that acquires this generation.
+    std::atomic_ref<uint64_t>(flag->gen).store(at_.gen, std::memory_order_release);
+  }
+
+  void wait_flag(int index, const Step& step) const {
+    FlagWord* flag = flag_word(step);
+    const std::atomic_ref<uint64_t> gen(flag->gen);
+    const uint64_t expected = at_.gen;
+    plan::FlagSeen seen{
+        await_value([&] { return gen.load(std::memory_order_acquire); },
+                    [expected](uint64_t g) { return plan::gen_reached(g, expected); }, budget_,
+                    [&] { idle(index); })};
+    if (!plan::gen_reached(seen.gen, at_.gen)) {
+      fail(plan::make_diagnostic(plan::FailureKind::kTimeout, at_, index, step, seen));
+    }
+    // Ordered after the acquire: the writer stored these before releasing gen.
+    seen.numel = std::atomic_ref<uint32_t>(flag->numel).load(std::memory_order_relaxed);
+    seen.signature = std::atomic_ref<uint32_t>(flag->signature).load(std::memory_order_relaxed);
+    if (plan::is_mismatch(at_, seen)) {
+      fail(plan::make_diagnostic(plan::FailureKind::kMismatch, at_, index, step, seen));
+    }
+  }
+
+  // A wait of step `index` yields: the test hook, if any, may act.
+  void idle(int index) const {
+    if (hook_ != nullptr) [[unlikely]] {
+      (*hook_)(HostExecutor::StepPoint{block_, index, true});
+    }
+  }
+
+  [[noreturn]] void fail(const plan::Diagnostic& d) const {
+    throw TransportFailure(d, plan::describe_failure(d, budget_.seconds));
+  }
+
+  const std::vector<uint8_t*>& bases_;
+  const plan::Layout& layout_;
+  const plan::Program& program_;
+  const Call& call_;
+  int rank_;
+  int block_;
+  const WaitBudget& budget_;
+  const StepHook* hook_;  // nullptr unless a test installed one
+  plan::CallPosition at_{};
+  int parity_ = 0;
+  uint32_t tag_ = 0;  // every LL word of this call carries it
+  int64_t num_vecs_ = 0;
+};
+
+}  // namespace
+
+HostExecutor::HostExecutor(double timeout_s) : timeout_s_(timeout_s) {
+  if (!(timeout_s >= 0.0)) {
+    throw std::invalid_argument("timeout_s must be >= 0 (0 waits forever), got " +
+                                std::to_string(timeout_s));
+  }
+}
+
+int HostExecutor::install(const plan::Program& program) {
+  programs_.push_back(program);
+  return static_cast<int>(programs_.size()) - 1;
+}
+
+void HostExecutor::run(const std::vector<uint8_t*>& bases, const plan::Layout& layout, int rank,
+                       const Call& call) {
+  const ReduceFn reduce = reducer_for(call.dtype);
+  const WaitBudget budget(timeout_s_);
+  const StepHook* hook = step_hook_ ? &step_hook_ : nullptr;
+  try {
+    for (int block = 0; block < call.blocks; ++block) {
+      const BlockPass pass(bases, layout, programs_[call.program], call, rank, block, budget, hook);
+      pass.run_steps(reduce);
+      pass.finish_call();
+    }
+  } catch (const TransportFailure& e) {
+    failure_ = e.diagnostic();
+    throw;
+  }
+}
+
+}  // namespace pcie_ar::transport
