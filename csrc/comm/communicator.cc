@@ -236,9 +236,10 @@ Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& ta
   plan::Schedule schedule =
       plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, options_.world,
                            options_.island_of, tactic.protocol);
-  // The host executor writes a sum and its forwarded copy in one pass; the CUDA executor runs
-  // one destination per step (transport/cuda_ipc.cc says why).
-  if (workspace_->device() < 0) schedule = plan::fuse_forwarding_copies(std::move(schedule));
+  // Where the executor writes a sum and its forwarded copy in one pass, fewer passes over memory.
+  if (workspace_->runs_multi_destination_steps()) {
+    schedule = plan::fuse_forwarding_copies(std::move(schedule));
+  }
   const plan::Verification v = plan::verify(schedule);
   if (!v.ok) {  // the builders are proven in CI; refuse rather than run something unproven
     throw std::logic_error("schedule " + plan::tactic_label(tactic) +

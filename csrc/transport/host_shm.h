@@ -37,6 +37,8 @@ class HostShmWorkspace final : public Workspace {
   ~HostShmWorkspace() override = default;  // unmaps everything; unlinks our segment if linked
 
   int device() const override { return -1; }
+  // The executor runs a reduce with two destinations in one pass (plan::fuse_forwarding_copies).
+  bool runs_multi_destination_steps() const override { return true; }
   const std::string& segment_name() const { return segments_.name(); }
 
   std::string local_token() const override { return segments_.name(); }

@@ -100,6 +100,11 @@ class Workspace {
   // Why `tactic` cannot run on this workspace (blocks outside 1..layout.max_blocks, or a limit
   // of the transport such as the GPU's threads per CTA), or nullopt.
   std::optional<std::string> why_not(const plan::Tactic& tactic) const;
+  // Whether the executor runs reduce steps with two destinations (the schedules of
+  // plan::fuse_forwarding_copies); add_program() refuses them where it does not. The host
+  // executor does, in one pass; the CUDA executor does not (its reduce loop is at the register
+  // budget). The caller fuses a schedule only when this says so.
+  virtual bool runs_multi_destination_steps() const { return false; }
 
   // ---- the call
   // Runs (host) or enqueues (GPU) one all-reduce; see Call for what it assumes. Throws

@@ -631,6 +631,16 @@ TEST(HostShm, TheFactoryCapsHostBlocksAndRejectsUnknownTransports) {
                        "unknown transport code 7; expected one of host_shm, cuda_ipc, cuda_host"));
 }
 
+// The workspace, not its caller, says whether fused (two-destination) steps may be installed.
+TEST(HostShm, TheHostWorkspaceSaysItRunsFusedSteps) {
+  const plan::Layout layout = plan::make_layout(1024, 2, 4);
+  HostShmWorkspace ws(layout, 0, 0, 1.0);
+  EXPECT_TRUE(ws.runs_multi_destination_steps());
+  const plan::Schedule fused = plan::fuse_forwarding_copies(
+      plan::build_schedule(Algorithm::kTwoshot, Direction::kPush, false, 2));
+  EXPECT_EQ(ws.add_program(plan::encode_program(fused, 0)), 0);
+}
+
 TEST(HostShm, OpenPeersRejectsAPeerBuiltWithAnotherLayout) {
   const plan::Layout small = plan::make_layout(1024, 2, 4);
   const plan::Layout large = plan::make_layout(2048, 2, 4);

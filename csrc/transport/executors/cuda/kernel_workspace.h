@@ -40,6 +40,9 @@ class CudaKernelWorkspace : public Workspace {
   ~CudaKernelWorkspace() override;  // frees what the base allocated; never throws
 
   int device() const override { return device_; }
+  // add_program() refuses two-destination steps: the reduce loop sits at the register budget,
+  // and a second store pointer spills at eight operands (cuda_executor_no_spills).
+  bool runs_multi_destination_steps() const override { return false; }
 
   // A kernel stores a pattern into each peer's slab with ordinary stores (the path the
   // all-reduce kernels use); probe_read() checks what arrived in our own slab.
