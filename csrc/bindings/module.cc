@@ -15,7 +15,7 @@
 #include "plan/topology.h"
 #include "plan/tuning_table.h"
 #include "plan/verify.h"
-#include "transport/executors/host/reduce.h"
+#include "transport/host_reduce_isa.h"
 #include "transport/kind.h"
 
 namespace py = pybind11;
@@ -214,32 +214,13 @@ void bind_schedules(py::module_& m) {
       },
       py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction") = "push",
       py::arg("staged") = false, py::arg("protocol") = "flag");
-  // The CPU reduce kernels (transport/host_reduce.h): process-wide, results identical.
+  // The CPU reduce kernels (transport/host_reduce_isa.h): process-wide, results identical.
+  m.def("host_reduce_isa", &transport::host_reduce_isa,
+        "The reduce kernels CPU all-reduces use now: scalar, avx2 or avx512.");
+  m.def("host_reduce_isas", &transport::host_reduce_isas,
+        "The reduce kernels this CPU and build run, narrowest first.");
   m.def(
-      "host_reduce_isa",
-      [] { return std::string(transport::reduce_isa_name(transport::active_reduce_isa())); },
-      "The reduce kernels CPU all-reduces use now: scalar, avx2 or avx512.");
-  m.def(
-      "host_reduce_isas",
-      [] {
-        std::vector<std::string> names;
-        for (const auto isa : transport::kAllReduceIsas) {
-          if (transport::reduce_isa_available(isa))
-            names.emplace_back(transport::reduce_isa_name(isa));
-        }
-        return names;
-      },
-      "The reduce kernels this CPU and build run, narrowest first.");
-  m.def(
-      "set_host_reduce_isa",
-      [](const std::string& name) {
-        const auto isa = transport::parse_reduce_isa(name);
-        if (!isa) {
-          throw std::invalid_argument("host reduce kernels must be scalar, avx2 or avx512, got '" +
-                                      name + "'");
-        }
-        transport::set_reduce_isa(*isa);
-      },
+      "set_host_reduce_isa", [](const std::string& name) { transport::set_host_reduce_isa(name); },
       py::arg("name"),
       "Chooses the reduce kernels of later CPU all-reduces in this process (ValueError when "
       "this CPU does not run them).");
