@@ -23,15 +23,15 @@ namespace py = pybind11;
 namespace pcie_ar::bindings {
 namespace {
 
-// `parse(name)`, or std::invalid_argument saying what `what` accepts.
-template <typename Parse>
-auto parse_or_throw(Parse parse, const std::string& name, const char* what) {
-  if (auto value = parse(name)) return *value;
-  throw std::invalid_argument(std::string(what) + ", got '" + name + "'");
+// The value `name` names in `table`, or std::invalid_argument "<what> must be a, b or c, got 'x'".
+template <typename Table>
+auto parse_or_throw(const Table& table, const std::string& name) {
+  if (auto value = table.find(name)) return *value;
+  throw std::invalid_argument(table.must_be(name));
 }
 
 plan::DType dtype_from_name(const std::string& name) {
-  return parse_or_throw(plan::parse_dtype, name, "dtype must be bf16, fp16 or fp32");
+  return parse_or_throw(plan::kDTypeNames, name);
 }
 
 py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) {
@@ -115,7 +115,7 @@ py::dict cost_dict(const plan::Cost& c) {
 }
 
 plan::Protocol protocol_from_name(const std::string& name) {
-  return parse_or_throw(plan::parse_protocol, name, "protocol must be flag or ll");
+  return parse_or_throw(plan::kProtocolNames, name);
 }
 
 py::dict verification_dict(const plan::Verification& v) {
@@ -183,16 +183,9 @@ void bind_schedules(py::module_& m) {
       "build_schedule",
       [](const std::string& algorithm, int world, const std::vector<int>& island_of,
          const std::string& direction, bool staged, const std::string& protocol) {
-        const auto a = plan::parse_algorithm(algorithm);
-        if (!a) {
-          throw std::invalid_argument(
-              "algorithm must be oneshot, twoshot, island_oneshot or island_twoshot, got '" +
-              algorithm + "'");
-        }
-        const auto d = plan::parse_direction(direction);
-        if (!d)
-          throw std::invalid_argument("direction must be push or pull, got '" + direction + "'");
-        return plan::build_schedule(*a, *d, staged, world, island_of, protocol_from_name(protocol));
+        const plan::Algorithm a = parse_or_throw(plan::kAlgorithmNames, algorithm);
+        const plan::Direction d = parse_or_throw(plan::kDirectionNames, direction);
+        return plan::build_schedule(a, d, staged, world, island_of, protocol_from_name(protocol));
       },
       py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction"),
       py::arg("staged"), py::arg("protocol") = "flag");
@@ -226,7 +219,7 @@ void bind_schedules(py::module_& m) {
       "this CPU does not run them).");
   m.def("algorithms", [] {
     std::vector<std::string> names;
-    for (auto a : plan::kAllAlgorithms) names.emplace_back(plan::algorithm_name(a));
+    for (const auto name : plan::kAlgorithmNames.names()) names.emplace_back(name);
     return names;
   });
 }

@@ -74,47 +74,6 @@ void* current_stream(int device) {
 
 }  // namespace
 
-std::string_view decline_name(Decline decline) {
-  switch (decline) {
-    case Decline::kNone:
-      return "none";
-    case Decline::kDisabled:
-      return "disabled";
-    case Decline::kWorldSize:
-      return "world_size";
-    case Decline::kDtype:
-      return "dtype";
-    case Decline::kDevice:
-      return "device";
-    case Decline::kNotContiguous:
-      return "not_contiguous";
-    case Decline::kNot16ByteMultiple:
-      return "not_16_byte_multiple";
-    case Decline::kTooLarge:
-      return "too_large";
-    case Decline::kEmpty:
-      return "empty";
-    case Decline::kNvLink:
-      return "nvlink";
-    case Decline::kNoP2P:
-      return "no_p2p";
-    case Decline::kTable:
-      return "table";
-    case Decline::kMisaligned:
-      return "misaligned";
-    case Decline::kMultiHost:
-      return "multi_host";
-  }
-  return "unknown";
-}
-
-Decline parse_decline(std::string_view name) {
-  for (int i = 0; i <= static_cast<int>(Decline::kMultiHost); ++i) {
-    if (decline_name(static_cast<Decline>(i)) == name) return static_cast<Decline>(i);
-  }
-  throw std::invalid_argument("unknown decline reason '" + std::string(name) + "'");
-}
-
 // One (algorithm, direction, staged) installed in the workspace for this rank, and how much it
 // sends each peer.
 struct Communicator::InstalledProgram {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "plan/layout.h"
+#include "plan/names.h"
 #include "plan/protocol.h"
 #include "plan/schedule.h"
 #include "plan/tactic.h"
@@ -57,9 +58,28 @@ enum class Decline : uint8_t {
   kMisaligned = 12,  // no longer used: misaligned tensors are staged like strided ones
   kMultiHost = 13,   // the group spans hosts (hostname or boot id differ): no shared memory
 };
-std::string_view decline_name(Decline decline);
-// The inverse of decline_name(); throws std::invalid_argument naming the unknown reason.
-Decline parse_decline(std::string_view name);
+inline constexpr auto kDeclineNames = plan::name_table<Decline>(
+    "decline reason", {{Decline::kNone, "none"},
+                       {Decline::kDisabled, "disabled"},
+                       {Decline::kWorldSize, "world_size"},
+                       {Decline::kDtype, "dtype"},
+                       {Decline::kDevice, "device"},
+                       {Decline::kNotContiguous, "not_contiguous"},
+                       {Decline::kNot16ByteMultiple, "not_16_byte_multiple"},
+                       {Decline::kTooLarge, "too_large"},
+                       {Decline::kEmpty, "empty"},
+                       {Decline::kNvLink, "nvlink"},
+                       {Decline::kNoP2P, "no_p2p"},
+                       {Decline::kTable, "table"},
+                       {Decline::kMisaligned, "misaligned"},
+                       {Decline::kMultiHost, "multi_host"}});
+// "unknown" for a value outside the enum.
+inline std::string_view decline_name(Decline decline) {
+  return kDeclineNames.name_of(decline, "unknown");
+}
+// The inverse of decline_name(); throws std::invalid_argument naming the unknown reason and the
+// known ones.
+inline Decline parse_decline(std::string_view name) { return kDeclineNames.parse(name); }
 
 struct Options {
   int rank = 0;

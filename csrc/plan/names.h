@@ -9,6 +9,7 @@
 //   kDirectionNames.parse("up")                // throws "direction: expected one of push,
 //                                              //   pull, got 'up'"
 //   kDirectionNames.list(" or ")               // "push or pull", for hand-written messages
+//   kDirectionNames.values()                   // {kPush, kPull}, to loop over every value
 #pragma once
 
 #include <array>
@@ -72,6 +73,12 @@ struct NameTable {
                                 ", got '" + std::string(name) + "'");
   }
 
+  // "<what> must be a, b or c, got 'x'": the message of the hand-written parsers these tables
+  // replaced, kept where callers and tests know it.
+  std::string must_be(std::string_view got) const {
+    return std::string(what) + " must be " + list(" or ") + ", got '" + std::string(got) + "'";
+  }
+
   // The canonical names in table order: "a, b, c"; list(" or ") gives "a, b or c".
   std::string list(std::string_view last_separator = ", ") const {
     std::string out;
@@ -79,6 +86,13 @@ struct NameTable {
       if (i > 0) out += i + 1 == N ? last_separator : std::string_view(", ");
       out += entries[i].name;
     }
+    return out;
+  }
+
+  // Every value, in table order (for loops over all of them).
+  constexpr std::array<E, N> values() const {
+    std::array<E, N> out{};
+    for (size_t i = 0; i < N; ++i) out[i] = entries[i].value;
     return out;
   }
 

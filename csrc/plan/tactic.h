@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "plan/names.h"
+
 namespace pcie_ar::plan {
 
 enum class DType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
@@ -30,9 +32,21 @@ enum class Direction : uint8_t { kPush = 0, kPull = 1 };
 // memory per vector. Half the payload per byte moved, so it pays only for small messages.
 enum class Protocol : uint8_t { kFlag = 0, kLL = 1 };
 
-inline constexpr Algorithm kAllAlgorithms[] = {
-    Algorithm::kOneshot, Algorithm::kTwoshot, Algorithm::kIslandOneshot, Algorithm::kIslandTwoshot};
-inline constexpr DType kAllDTypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+// The names of each enum (plan/names.h): what tuning tables, Python and messages call them.
+inline constexpr auto kDTypeNames = name_table<DType>(
+    "dtype", {{DType::kBF16, "bf16"}, {DType::kFP16, "fp16"}, {DType::kFP32, "fp32"}});
+inline constexpr auto kAlgorithmNames =
+    name_table<Algorithm>("algorithm", {{Algorithm::kOneshot, "oneshot"},
+                                        {Algorithm::kTwoshot, "twoshot"},
+                                        {Algorithm::kIslandOneshot, "island_oneshot"},
+                                        {Algorithm::kIslandTwoshot, "island_twoshot"}});
+inline constexpr auto kDirectionNames =
+    name_table<Direction>("direction", {{Direction::kPush, "push"}, {Direction::kPull, "pull"}});
+inline constexpr auto kProtocolNames =
+    name_table<Protocol>("protocol", {{Protocol::kFlag, "flag"}, {Protocol::kLL, "ll"}});
+
+inline constexpr auto kAllAlgorithms = kAlgorithmNames.values();
+inline constexpr auto kAllDTypes = kDTypeNames.values();
 
 struct Tactic {
   Algorithm algorithm = Algorithm::kOneshot;
@@ -46,17 +60,24 @@ struct Tactic {
 };
 
 int dtype_bytes(DType dtype);
-std::string_view dtype_name(DType dtype);  // "bf16", "fp16", "fp32"
-std::string_view algorithm_name(Algorithm algorithm);
-std::string_view direction_name(Direction direction);
-std::string_view protocol_name(Protocol protocol);  // "flag", "ll"
 bool is_island_algorithm(Algorithm algorithm);
 
-// Parsers accept exactly the names above; std::nullopt otherwise.
-std::optional<DType> parse_dtype(std::string_view name);
-std::optional<Algorithm> parse_algorithm(std::string_view name);
-std::optional<Direction> parse_direction(std::string_view name);
-std::optional<Protocol> parse_protocol(std::string_view name);
+// The tables' names ("?" for a value outside the enum) and parsers (std::nullopt for any other
+// name), by enum.
+inline std::string_view dtype_name(DType dtype) { return kDTypeNames.name_of(dtype); }
+inline std::string_view algorithm_name(Algorithm a) { return kAlgorithmNames.name_of(a); }
+inline std::string_view direction_name(Direction d) { return kDirectionNames.name_of(d); }
+inline std::string_view protocol_name(Protocol p) { return kProtocolNames.name_of(p); }
+inline std::optional<DType> parse_dtype(std::string_view name) { return kDTypeNames.find(name); }
+inline std::optional<Algorithm> parse_algorithm(std::string_view name) {
+  return kAlgorithmNames.find(name);
+}
+inline std::optional<Direction> parse_direction(std::string_view name) {
+  return kDirectionNames.find(name);
+}
+inline std::optional<Protocol> parse_protocol(std::string_view name) {
+  return kProtocolNames.find(name);
+}
 
 // "oneshot/push/staged/flag/b16/t256": stable, used as the stats key.
 std::string tactic_label(const Tactic& tactic);

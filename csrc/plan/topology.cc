@@ -21,7 +21,21 @@
 namespace pcie_ar::plan {
 namespace {
 
-constexpr std::string_view kExpectedClasses = "X, NV#, PIX, PXB, PHB, NODE, SYS or SOC";
+// What a cell may hold, for messages: "X, NV#, PIX, PXB, PHB, NODE, SYS or SOC".
+std::string expected_classes() {
+  std::vector<std::string> words;
+  for (const auto& e : kLinkClassNames.entries) {
+    words.push_back(std::string(e.name) + (e.value == LinkClass::kNvLink ? "#" : ""));
+    for (const std::string_view alias : e.aliases) {
+      if (!alias.empty()) words.emplace_back(alias);
+    }
+  }
+  std::string out;
+  for (size_t i = 0; i < words.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == words.size() ? " or " : ", ") + words[i];
+  }
+  return out;
+}
 constexpr int kMaxNvLinks = 99;  // NV1..NV18 today; room for bigger bonds without a parser change
 
 // One cell of the matrix: a class, plus the link count for NV#.
@@ -93,12 +107,8 @@ std::optional<int> parse_gpu_label(std::string_view s) {
 }
 
 std::optional<Cell> parse_cell(std::string_view s) {
-  if (s == "X") return Cell{LinkClass::kSelf, 0};
-  if (s == "PIX") return Cell{LinkClass::kPix, 0};
-  if (s == "PXB") return Cell{LinkClass::kPxb, 0};
-  if (s == "PHB") return Cell{LinkClass::kPhb, 0};
-  if (s == "NODE") return Cell{LinkClass::kNode, 0};
-  if (s == "SYS" || s == "SOC") return Cell{LinkClass::kSys, 0};
+  const auto named = kLinkClassNames.find(s);
+  if (named && *named != LinkClass::kNvLink) return Cell{*named, 0};  // NVLink cells count links
   if (s.size() > 2 && s.substr(0, 2) == "NV") {
     const auto n = parse_small_uint(s.substr(2), kMaxNvLinks);
     if (n && *n > 0) return Cell{LinkClass::kNvLink, *n};
@@ -257,26 +267,6 @@ Header parse_header(std::string_view line, int line_no) {
 }
 
 }  // namespace
-
-std::string_view link_class_name(LinkClass c) {
-  switch (c) {
-    case LinkClass::kSelf:
-      return "X";
-    case LinkClass::kNvLink:
-      return "NV";
-    case LinkClass::kPix:
-      return "PIX";
-    case LinkClass::kPxb:
-      return "PXB";
-    case LinkClass::kPhb:
-      return "PHB";
-    case LinkClass::kNode:
-      return "NODE";
-    case LinkClass::kSys:
-      return "SYS";
-  }
-  return "?";
-}
 
 LinkClass Topology::link(int a, int b) const {
   if (a < 0 || b < 0 || a >= world || b >= world ||
@@ -646,7 +636,7 @@ void read_gpu_row(const Header& header, const std::vector<std::string_view>& tok
     const std::string where = " in column " + excerpt(header.column_name(j)) + " of " + row_name;
     if (!cell) {
       fail_line(line_no, "unknown link class " + quote_excerpt(token) + where + " (expected " +
-                             std::string(kExpectedClasses) + ")");
+                             expected_classes() + ")");
     }
     if (j == gpu && cell->cls != LinkClass::kSelf) {
       fail_line(line_no, "expected X on the diagonal" + where + ", found " + quote_excerpt(token));

@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "plan/names.h"
+
 namespace pcie_ar::plan {
 
 // Link classes of `nvidia-smi topo -m`, ordered best to worst. Values cross into tuning
@@ -33,8 +35,18 @@ enum class LinkClass : uint8_t {
   kSys = 6,     // across the SMP interconnect between sockets (legacy name: SOC)
 };
 
+// The names `nvidia-smi topo -m` prints (SOC: drivers before SYS); an NVLink cell is "NV<count>".
+inline constexpr auto kLinkClassNames =
+    name_table<LinkClass>("link class", {{LinkClass::kSelf, "X"},
+                                         {LinkClass::kNvLink, "NV"},
+                                         {LinkClass::kPix, "PIX"},
+                                         {LinkClass::kPxb, "PXB"},
+                                         {LinkClass::kPhb, "PHB"},
+                                         {LinkClass::kNode, "NODE"},
+                                         {LinkClass::kSys, "SYS", {"SOC"}}});
+
 // "X", "NV", "PIX", "PXB", "PHB", "NODE", "SYS" ("?" for a value outside the enum).
-std::string_view link_class_name(LinkClass c);
+inline std::string_view link_class_name(LinkClass c) { return kLinkClassNames.name_of(c); }
 
 // Every malformed input and every inconsistent Topology is reported with this; what() says
 // what was found and what was expected (for nvidia-smi text: the 1-based line number too).

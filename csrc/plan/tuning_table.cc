@@ -195,7 +195,9 @@ class RowParser {
         cells[1] == "*" ? -1 : static_cast<int>(integer(cells[1], "world", 1, kIntMax, true));
     if (cells[2] != "*") {
       row.dtype = parse_dtype(cells[2]);
-      if (!row.dtype) fail("column dtype must be bf16, fp16, fp32 or '*', got " + quoted(cells[2]));
+      if (!row.dtype) {
+        fail("column dtype must be " + kDTypeNames.list() + " or '*', got " + quoted(cells[2]));
+      }
     }
     row.min_bytes = integer(cells[3], "min_bytes", 0, kBytesMax, false);
     row.max_bytes = cells[4] == "*" ? -1 : integer(cells[4], "max_bytes", 1, kBytesMax, true);
@@ -232,7 +234,10 @@ class RowParser {
     row.algorithm = parse_algorithm(cells[5]);  // unknown: kept, skipped when matched
     if (row.algorithm) row.tactic.algorithm = *row.algorithm;
     const auto direction = parse_direction(cells[6]);
-    if (!direction) fail("column direction must be push or pull, got " + quoted(cells[6]));
+    if (!direction) {
+      fail("column direction must be " + kDirectionNames.list(" or ") + ", got " +
+           quoted(cells[6]));
+    }
     row.tactic.direction = *direction;
     if (cells[7] != "0" && cells[7] != "1") {
       fail("column staged must be 0 or 1, got " + quoted(cells[7]));
@@ -243,8 +248,8 @@ class RowParser {
     if (cells.size() > kProtocolColumn && !cells[kProtocolColumn].empty()) {
       const auto protocol = parse_protocol(cells[kProtocolColumn]);
       if (!protocol) {
-        fail("column protocol must be flag or ll (or empty for flag), got " +
-             quoted(cells[kProtocolColumn]));
+        fail("column protocol must be " + kProtocolNames.list(" or ") +
+             " (or empty for flag), got " + quoted(cells[kProtocolColumn]));
       }
       row.tactic.protocol = *protocol;
     }
@@ -323,8 +328,8 @@ TableChoice TuningTable::choose(std::string_view topology_key, int world, DType 
     }
     std::optional<std::string> why;
     if (!row.algorithm) {
-      why = "unknown algorithm '" + row.algorithm_text +
-            "' (expected oneshot, twoshot, island_oneshot, island_twoshot or fallback)";
+      why = "unknown algorithm '" + row.algorithm_text + "' (expected " + kAlgorithmNames.list() +
+            " or fallback)";
     } else if (why_not_runnable) {
       why = why_not_runnable(row, bytes);
     }

@@ -19,10 +19,7 @@ std::vector<std::string> host_reduce_isas() {
 
 void set_host_reduce_isa(std::string_view name) {
   const auto isa = parse_reduce_isa(name);
-  if (!isa) {
-    throw std::invalid_argument("host reduce kernels must be scalar, avx2 or avx512, got '" +
-                                std::string(name) + "'");
-  }
+  if (!isa) throw std::invalid_argument(kReduceIsaNames.must_be(name));
   set_reduce_isa(*isa);
 }
 

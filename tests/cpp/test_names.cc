@@ -2,6 +2,7 @@
 // (transport/kind.h): canonical names out, canonical names and aliases in.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -41,6 +42,8 @@ TEST(Names, OneTableNamesParsesAndListsEveryValue) {
   EXPECT_TRUE(kFruitNames.aliases_of(Fruit::kPear).empty());
   EXPECT_EQ(parse_error("kiwi"),
             "fruit: expected one of apple, pear, fig (aliases: malus = apple), got 'kiwi'");
+  EXPECT_EQ(kFruitNames.must_be("kiwi"), "fruit must be apple, pear or fig, got 'kiwi'");
+  static_assert(kFruitNames.values() == std::array{Fruit::kApple, Fruit::kPear, Fruit::kFig});
 }
 
 TEST(Names, TransportsHaveTheirFilesNamesAndTheOldNamesAsAliases) {

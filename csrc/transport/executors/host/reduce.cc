@@ -128,25 +128,6 @@ ReduceFn scalar_reducer(plan::DType dtype) {
 }
 }  // namespace detail
 
-std::string_view reduce_isa_name(ReduceIsa isa) {
-  switch (isa) {
-    case ReduceIsa::kScalar:
-      return "scalar";
-    case ReduceIsa::kAvx2:
-      return "avx2";
-    case ReduceIsa::kAvx512:
-      return "avx512";
-  }
-  return "?";
-}
-
-std::optional<ReduceIsa> parse_reduce_isa(std::string_view name) {
-  for (const ReduceIsa isa : kAllReduceIsas) {
-    if (name == reduce_isa_name(isa)) return isa;
-  }
-  return std::nullopt;
-}
-
 namespace {
 // Asked once: CPUID traps to the hypervisor in a VM, far too slow for every call.
 struct IsaSupport {

@@ -21,6 +21,7 @@
 #include <optional>
 #include <string_view>
 
+#include "plan/names.h"
 #include "plan/tactic.h"
 
 namespace pcie_ar::transport {
@@ -32,11 +33,15 @@ inline constexpr uint32_t kCanonicalNaN = 0x7fffffffu;  // fp32 bits; narrows to
 using ReduceFn = void (*)(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t num_vecs);
 
 enum class ReduceIsa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-inline constexpr ReduceIsa kAllReduceIsas[] = {ReduceIsa::kScalar, ReduceIsa::kAvx2,
-                                               ReduceIsa::kAvx512};  // narrowest first
+inline constexpr auto kReduceIsaNames = plan::name_table<ReduceIsa>(
+    "host reduce kernels",
+    {{ReduceIsa::kScalar, "scalar"}, {ReduceIsa::kAvx2, "avx2"}, {ReduceIsa::kAvx512, "avx512"}});
+inline constexpr auto kAllReduceIsas = kReduceIsaNames.values();  // narrowest first
 
-std::string_view reduce_isa_name(ReduceIsa isa);  // "scalar", "avx2", "avx512"
-std::optional<ReduceIsa> parse_reduce_isa(std::string_view name);
+inline std::string_view reduce_isa_name(ReduceIsa isa) { return kReduceIsaNames.name_of(isa); }
+inline std::optional<ReduceIsa> parse_reduce_isa(std::string_view name) {
+  return kReduceIsaNames.find(name);
+}
 
 // Whether this build has `isa` and this CPU runs it. kScalar always.
 bool reduce_isa_available(ReduceIsa isa);
