@@ -40,6 +40,9 @@ class HostShmWorkspace final : public Workspace {
   // The executor runs a reduce with two destinations in one pass (plan::fuse_forwarding_copies).
   bool runs_multi_destination_steps() const override { return true; }
   const std::string& segment_name() const { return segments_.name(); }
+  // Rank r's segment as mapped here (ours from construction, peers' from open_peers()), or null:
+  // the CPU device's tests run the CUDA executor over the same memory.
+  uint8_t* mapped_base(int r) const { return segments_.base(r); }
 
   std::string local_token() const override { return segments_.name(); }
   // ShmSegments::open_peers(): tokens[r] is rank r's segment name, tokens[rank] ours; every

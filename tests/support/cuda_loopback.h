@@ -16,7 +16,8 @@
 #include "plan/protocol.h"
 #include "plan/schedule.h"
 #include "plan/tactic.h"
-#include "transport/executors/cuda/launch_params.h"
+#include "transport/executors/cuda/kernel_params.h"
+#include "transport/executors/cuda/launch.h"
 #include "transport/executors/cuda/residency.h"
 #include "transport/executors/cuda/stream_order.h"
 

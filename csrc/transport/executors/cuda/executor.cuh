@@ -21,7 +21,7 @@
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
-#include "transport/executors/cuda/launch.h"
+#include "transport/executors/cuda/kernel_params.h"
 #include "transport/executors/cuda/primitives.cuh"
 
 namespace pcie_ar::transport::kernels {
@@ -34,17 +34,12 @@ static_assert(sizeof(plan::Program) % 4 == 0);
 // L2 or over PCIe, so the deadline is still checked every few microseconds.
 inline constexpr uint32_t kPollsPerClockCheck = 16;
 // Re-reads of a flag that reached this generation with another call's identity before it is
-// a mismatch: a 16-byte read may be torn between its halves, which the next read resolves.
-inline constexpr int kMismatchRereads = 4;
-// LL operands a thread loads before it looks at their tags, all in flight at once: as many as
-// fit in the 64 registers a 1024-thread CTA leaves each thread without a spill (measured with
-// CUDA 13.0; the cuda_executor_no_spills test keeps it honest). Larger groups save round trips
-// to L2 when a reduce has more operands than one group.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-inline constexpr int kLLGroup = 3;
-#else
-inline constexpr int kLLGroup = plan::kMaxSources;
-#endif
+// a mismatch. The 16-byte read that saw the generation is not single-copy atomic across its
+// halves, so its call half may be older; but the writer stores the call before it releases the
+// generation (store_flag_release_sys), so one read after that acquire sees this generation's call.
+inline constexpr int kMismatchRereads = 1;
+// LL operands a thread loads before it looks at their tags (kLLGroup) are the machine's choice:
+// primitives.cuh.
 
 // What every step of one CTA needs to know about the call.
 struct Call {
@@ -86,16 +81,16 @@ __device__ __forceinline__ plan::FlagWord* flag_word(const LaunchParams& p, cons
 // then traps. The claim is a device-memory CAS: atomics on mapped host memory are not atomic
 // over PCIe, and only one CTA's record must land.
 __device__ __forceinline__ void fail(const LaunchParams& p, const plan::Diagnostic& d) {
-  if (atomicCAS(p.claim, 0u, 1u) == 0u) {
+  if (claim_first(p.claim)) {
     const auto* words = reinterpret_cast<const uint32_t*>(&d);
     volatile uint32_t* record = reinterpret_cast<volatile uint32_t*>(p.diag);
     static_assert(offsetof(plan::Diagnostic, kind) == 0);
     for (int i = 1; i < static_cast<int>(sizeof(plan::Diagnostic) / 4); ++i) record[i] = words[i];
-    __threadfence_system();  // the fields reach host memory before the kind that publishes them
+    fence_system();  // the fields reach host memory before the kind that publishes them
     record[0] = words[0];
-    __threadfence_system();
+    fence_system();
   }
-  asm volatile("trap;");
+  trap_kernel();
 }
 
 __device__ __forceinline__ plan::CallPosition position(const LaunchParams& p, const Call& c) {
@@ -104,6 +99,23 @@ __device__ __forceinline__ plan::CallPosition position(const LaunchParams& p, co
 }
 
 // ------------------------------------------------------------------ plain reduce
+
+// Sum of N vectors in operand order (acc = x0; acc += x1; ...), in fp32, rounded once. The
+// order is the schedule's rank order: it is what makes every rank's result bitwise identical.
+template <typename T, int N>
+__device__ __forceinline__ uint4 sum_in_order(const uint4 (&x)[N]) {
+  using M = VecMath<T>;
+  float acc[M::kElems];
+  M::widen(x[0], acc);
+#pragma unroll
+  for (int i = 1; i < N; ++i) {
+    float term[M::kElems];
+    M::widen(x[i], term);
+#pragma unroll
+    for (int e = 0; e < M::kElems; ++e) acc[e] = add_rn(acc[e], term[e]);
+  }
+  return M::narrow(acc);
+}
 
 // dst[v] = src0[v] + ... + src{N-1}[v] over this thread's vectors of the slice. All operands
 // are loaded before the store, so dst may alias any source elementwise (the in-place op).
@@ -233,7 +245,7 @@ __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call&
       float term[M::kElems];
       M::widen(x[k], term);
 #pragma unroll
-      for (int e = 0; e < M::kElems; ++e) acc[e] = __fadd_rn(acc[e], term[e]);
+      for (int e = 0; e < M::kElems; ++e) acc[e] = add_rn(acc[e], term[e]);
     }
   }
   if constexpr (First + K < N) {
@@ -403,7 +415,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int num_words =
       static_cast<int>((offsetof(plan::Program, steps) + num_steps * sizeof(plan::Step)) / 4);
   for (int i = threadIdx.x; i < num_words; i += blockDim.x) {
-    staged_program[i] = __ldg(program_words + i);
+    staged_program[i] = load_read_only(program_words + i);
   }
   wait_for_previous_grid();
   // Written only by this CTA at the end of the previous call (an earlier kernel). Every thread

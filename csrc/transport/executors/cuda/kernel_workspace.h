@@ -10,7 +10,7 @@
 // calls lives in the workspace and is advanced by the kernel itself, so a launch has no host
 // state and can be captured in a CUDA graph and replayed. Calls on different streams are ordered
 // by StreamOrder (stream_order.h); launches may use programmatic dependent launch
-// (launch_params.h).
+// (kernel_params.h).
 //
 // Host code only (plain C++ and the CUDA runtime API); the kernels are launch.cu.
 #pragma once
@@ -24,7 +24,8 @@
 #include "plan/protocol.h"
 #include "plan/step.h"
 #include "plan/tactic.h"
-#include "transport/executors/cuda/launch_params.h"
+#include "transport/executors/cuda/kernel_params.h"
+#include "transport/executors/cuda/launch.h"
 #include "transport/executors/cuda/residency.h"
 #include "transport/executors/cuda/stream_order.h"
 #include "transport/workspace.h"

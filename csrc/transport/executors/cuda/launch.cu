@@ -8,6 +8,7 @@
 
 #include "transport/executors/cuda/executor.cuh"
 #include "transport/executors/cuda/launch.h"
+#include "transport/memory/cuda_device.h"
 
 namespace pcie_ar::transport {
 namespace {
@@ -113,6 +114,15 @@ int executor_ctas_per_sm(plan::DType dtype, plan::Direction direction, int threa
   }
   return per_sm;
 }
+
+bool pdl_enabled(int device) {
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
+  return major >= 9 && executor_waits_for_previous_grid();
+}
+
+bool use_pdl(bool requested, int device) { return requested && pdl_enabled(device); }
 
 cudaError_t launch_probe(uint32_t* dst, uint32_t nonce, int src, int dst_rank) {
   probe_kernel<<<1, kProbeWords>>>(dst, nonce, src, dst_rank);

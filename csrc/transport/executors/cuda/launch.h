@@ -1,7 +1,7 @@
 // The boundary between the CUDA executor's host code (plain C++: kernel_workspace.cc and the
-// files beside it) and its kernels (launch.cu, the only file nvcc compiles): what one launch
-// carries, and the few host functions that need the kernels' symbols. Compiles with a plain C++
-// compiler.
+// files beside it) and its kernels (launch.cu, the only file nvcc compiles): the few host
+// functions that need the kernels' symbols. What one launch carries is kernel_params.h. Compiles
+// with a plain C++ compiler.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,47 +9,10 @@
 #include <cstdint>
 
 #include "plan/host_device.h"
-#include "plan/layout.h"
-#include "plan/protocol.h"
-#include "plan/step.h"
 #include "plan/tactic.h"
+#include "transport/executors/cuda/kernel_params.h"
 
 namespace pcie_ar::transport {
-
-inline constexpr int kMaxThreads = 1024;  // the executor's __launch_bounds__
-inline constexpr int kWarpThreads = 32;
-
-// Everything one launch needs, passed to the kernel by value. Arrays are indexed by rank; a
-// real rank fills only its own entries of inputs/outputs/programs, loopback fills every rank.
-// Programs passed plan::check_program() when they were uploaded; the kernel trusts them.
-struct LaunchParams {
-  plan::Layout layout;
-  uint8_t* bases[plan::kMaxWorld] = {};  // every rank's slab, as this process addresses it
-  // Where each launched rank's generation counters are (plan::Layout::gen_counter_offset from
-  // here): its own slab, or device memory when the slab is far away (host memory), since only
-  // the rank itself ever reads them and a read of host memory is a PCIe round trip per call.
-  uint8_t* counters[plan::kMaxWorld] = {};
-  const void* inputs[plan::kMaxWorld] = {};
-  void* outputs[plan::kMaxWorld] = {};
-  const plan::Program* programs[plan::kMaxWorld] = {};  // device copies
-  plan::Diagnostic* diag = nullptr;                     // mapped host memory (device address)
-  uint32_t* claim = nullptr;  // device word: the first failing CTA records, others trap
-  int64_t numel = 0;
-  uint64_t timeout_ns = 0;  // per wait; 0 waits forever
-  uint32_t signature = 0;   // plan::call_signature(dtype, tactic)
-  plan::DType dtype = plan::DType::kBF16;
-  plan::Direction direction = plan::Direction::kPush;  // the programs' direction
-  int blocks = 0;                                      // gridDim.x
-  int threads = 0;                                     // blockDim.x
-  int first_rank = 0;                                  // rank of blockIdx.y == 0
-  int ranks_in_launch = 0;                             // gridDim.y
-  // Programmatic dependent launch (sm_90+): the kernel may start while the previous kernel of
-  // the stream finishes; it waits for it (griddepcontrol.wait) before touching memory.
-  bool pdl = false;
-  // Some rank's slots are in host memory (cuda_host, or a loopback slab placed there): push
-  // reads of slots must not trust L2 (see run_reduce in executor.cuh).
-  bool slots_in_host_memory = false;
-};
 
 // Enqueues the executor instantiation for (p.dtype, p.direction) on `stream`: capture-safe.
 // With p.pdl it launches with programmatic stream serialization. Returns false when that PDL
@@ -66,6 +29,14 @@ bool executor_waits_for_previous_grid();
 
 // CTAs of that instantiation one SM keeps resident with `threads` threads each.
 int executor_ctas_per_sm(plan::DType dtype, plan::Direction direction, int threads);
+
+// Whether launches on `device` (the current device) may use programmatic dependent launch:
+// compute capability 9.0 or newer, and every executor instantiation compiled for it (a kernel
+// JIT-compiled from older PTX would not wait for the previous grid).
+bool pdl_enabled(int device);
+// Whether a workspace launches with PDL: its option asks for it (asking nothing of the device
+// when not) and pdl_enabled(device).
+bool use_pdl(bool requested, int device);
 
 // P2P probe: the words rank `src` writes into rank `dst`'s slab. Every word differs per
 // (nonce, src, dst, index), so a dropped, zeroed or misdirected write cannot pass.

@@ -1,8 +1,8 @@
 // The CUDA executor's primitives on a GPU, in PTX: 16-byte vector loads and stores with the cache
 // behaviour each direction needs, the system-scope flag operations of the generation protocol,
 // the LL (flag-in-data) loads and stores, programmatic dependent launch, the global timer that
-// bounds every wait, and fp32 accumulation for bf16/fp16/fp32 vectors. Included through
-// primitives.cuh, never directly.
+// bounds every wait, the failure claim, fence and trap, and fp32 arithmetic for bf16/fp16/fp32
+// vectors. Included through primitives.cuh, never directly.
 //
 // Why these flavours: peers write our slots over PCIe behind the SM's back, and L1 is not
 // coherent with those writes, so nothing that a peer wrote may be read through L1. Flags are
@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "plan/step.h"
 #include "plan/tactic.h"
 
 namespace pcie_ar::transport::kernels {
@@ -81,11 +82,16 @@ __device__ __forceinline__ FlagBits load_flag_acquire_sys(const void* ptr) {
   return f;
 }
 
-// One release store of a whole flag word: everything this thread has observed (after a CTA
-// barrier: everything the CTA wrote) is visible system-wide before any part of the word.
+// A flag word written as the protocol needs it read: the call half first, then a release store
+// of the generation, so everything this thread has observed (after a CTA barrier: everything the
+// CTA wrote), the call half included, is visible system-wide before the generation. A reader
+// that acquired this generation and reads the call half again therefore sees this generation's
+// call: a 16-byte store is not single-copy atomic across its halves, so one store of both would
+// let a reader see the new generation beside an old call for as long as the halves travel apart.
 __device__ __forceinline__ void store_flag_release_sys(void* ptr, uint64_t gen, uint64_t call) {
-  asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(ptr), "l"(gen), "l"(call)
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(static_cast<uint64_t*>(ptr) + 1), "l"(call)
                : "memory");
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(gen) : "memory");
 }
 
 // The generation counter: written by the CTA at the end of one call, read at the start of the
@@ -140,6 +146,33 @@ __device__ __forceinline__ void allow_dependent_grids() {
 #endif
 }
 
+// ------------------------------------------------------------------ control
+
+// LL operands a thread loads before it looks at their tags, all in flight at once: as many as
+// fit in the 64 registers a 1024-thread CTA leaves each thread without a spill (measured with
+// CUDA 13.0; the cuda_executor_no_spills test keeps it honest). Larger groups save round trips
+// to L2 when a reduce has more operands than one group.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+inline constexpr int kLLGroup = 3;
+#else
+inline constexpr int kLLGroup = plan::kMaxSources;
+#endif
+
+// True for the one caller that turns the word from 0 to 1 (a device-memory CAS: atomics on mapped
+// host memory are not atomic over PCIe).
+__device__ __forceinline__ bool claim_first(uint32_t* claim) {
+  return atomicCAS(claim, 0u, 1u) == 0u;
+}
+
+// Every store this thread made (after a barrier: its CTA) is visible system-wide first.
+__device__ __forceinline__ void fence_system() { __threadfence_system(); }
+
+// Ends the grid: the context dies, the host learns why from the failure record.
+__device__ __forceinline__ void trap_kernel() { asm volatile("trap;"); }
+
+// Memory written once before any launch (the uploaded programs): through the read-only cache.
+__device__ __forceinline__ uint32_t load_read_only(const uint32_t* ptr) { return __ldg(ptr); }
+
 // Nanoseconds, comparable across SMs (unlike clock64), so a deadline means wall time.
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
@@ -148,6 +181,9 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 }
 
 // ------------------------------------------------------------------ fp32 accumulation
+
+// One fp32 add, round to nearest even; a NaN sum is the canonical quiet NaN (0x7fffffff).
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 
 // How one 16-byte vector of T widens to fp32 and narrows back with one round-to-nearest-even.
 template <typename T>
@@ -213,22 +249,5 @@ struct VecMath<float> {
                       __float_as_uint(in[3]));
   }
 };
-
-// Sum of N vectors in operand order (acc = x0; acc += x1; ...), in fp32, rounded once. The
-// order is the schedule's rank order: it is what makes every rank's result bitwise identical.
-template <typename T, int N>
-__device__ __forceinline__ uint4 sum_in_order(const uint4 (&x)[N]) {
-  using M = VecMath<T>;
-  float acc[M::kElems];
-  M::widen(x[0], acc);
-#pragma unroll
-  for (int i = 1; i < N; ++i) {
-    float term[M::kElems];
-    M::widen(x[i], term);
-#pragma unroll
-    for (int e = 0; e < M::kElems; ++e) acc[e] = __fadd_rn(acc[e], term[e]);
-  }
-  return M::narrow(acc);
-}
 
 }  // namespace pcie_ar::transport::kernels

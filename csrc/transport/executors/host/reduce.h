@@ -23,13 +23,12 @@
 
 #include "plan/names.h"
 #include "plan/tactic.h"
+#include "transport/executors/element_codecs.h"  // kCanonicalNaN
 
 namespace pcie_ar::transport {
 
 // dst[0, num_vecs) = srcs[0] + ... + srcs[num_srcs - 1] over 16-byte vectors, in operand order.
 // Every source vector is loaded before dst is stored, so dst may alias a source elementwise.
-inline constexpr uint32_t kCanonicalNaN = 0x7fffffffu;  // fp32 bits; narrows to 0x7fff
-
 using ReduceFn = void (*)(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t num_vecs);
 
 enum class ReduceIsa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };

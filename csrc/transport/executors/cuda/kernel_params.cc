@@ -1,13 +1,9 @@
-// How a launch's parameters are put together, and whether it may use PDL; see launch_params.h.
-#include "transport/executors/cuda/launch_params.h"
-
-#include <cuda_runtime.h>
+// How a launch's parameters are put together; see kernel_params.h.
+#include "transport/executors/cuda/kernel_params.h"
 
 #include <cmath>
 #include <stdexcept>
 #include <string>
-
-#include "transport/memory/cuda_device.h"
 
 namespace pcie_ar::transport {
 
@@ -52,14 +48,5 @@ uint64_t timeout_to_ns(double timeout_s) {
   const double ns = timeout_s * 1e9;
   return ns >= 1.8e19 ? 0 : static_cast<uint64_t>(ns);  // beyond 570 years: forever
 }
-
-bool pdl_enabled(int device) {
-  int major = 0;
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-        "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
-  return major >= 9 && executor_waits_for_previous_grid();
-}
-
-bool use_pdl(bool requested, int device) { return requested && pdl_enabled(device); }
 
 }  // namespace pcie_ar::transport

@@ -1,0 +1,81 @@
+// What one launch of the CUDA executor carries, on every machine that runs it (a GPU:
+// launch.cu; the CPU device: cpu/launch.cc), and how a workspace's fixed half and the programs
+// of one schedule become it. Plain C++: no CUDA headers.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "plan/layout.h"
+#include "plan/protocol.h"
+#include "plan/step.h"
+#include "plan/tactic.h"
+
+namespace pcie_ar::transport {
+
+inline constexpr int kMaxThreads = 1024;  // the executor's __launch_bounds__
+inline constexpr int kWarpThreads = 32;
+
+// Everything one launch needs, passed to the kernel by value. Arrays are indexed by rank; a
+// real rank fills only its own entries of inputs/outputs/programs, loopback fills every rank.
+// Programs passed plan::check_program() when they were uploaded; the kernel trusts them.
+struct LaunchParams {
+  plan::Layout layout;
+  uint8_t* bases[plan::kMaxWorld] = {};  // every rank's slab, as this process addresses it
+  // Where each launched rank's generation counters are (plan::Layout::gen_counter_offset from
+  // here): its own slab, or device memory when the slab is far away (host memory), since only
+  // the rank itself ever reads them and a read of host memory is a PCIe round trip per call.
+  uint8_t* counters[plan::kMaxWorld] = {};
+  const void* inputs[plan::kMaxWorld] = {};
+  void* outputs[plan::kMaxWorld] = {};
+  const plan::Program* programs[plan::kMaxWorld] = {};  // device copies
+  plan::Diagnostic* diag = nullptr;                     // mapped host memory (device address)
+  uint32_t* claim = nullptr;  // device word: the first failing CTA records, others trap
+  int64_t numel = 0;
+  uint64_t timeout_ns = 0;  // per wait; 0 waits forever
+  uint32_t signature = 0;   // plan::call_signature(dtype, tactic)
+  plan::DType dtype = plan::DType::kBF16;
+  plan::Direction direction = plan::Direction::kPush;  // the programs' direction
+  int blocks = 0;                                      // gridDim.x
+  int threads = 0;                                     // blockDim.x
+  int first_rank = 0;                                  // rank of blockIdx.y == 0
+  int ranks_in_launch = 0;                             // gridDim.y
+  // Programmatic dependent launch (sm_90+): the kernel may start while the previous kernel of
+  // the stream finishes; it waits for it (griddepcontrol.wait) before touching memory.
+  bool pdl = false;
+  // Some rank's slots are in host memory (cuda_host, or a loopback slab placed there): push
+  // reads of slots must not trust L2 (see run_reduce in executor.cuh).
+  bool slots_in_host_memory = false;
+};
+
+// The fixed half of a workspace's launches: where the slabs are and where failures go.
+struct WorkspaceView {
+  plan::Layout layout;
+  std::array<uint8_t*, plan::kMaxWorld> bases{};
+  // Where each rank's generation counters live when not in its slab (LaunchParams::counters);
+  // null: the slab.
+  std::array<uint8_t*, plan::kMaxWorld> counters{};
+  plan::Diagnostic* diag = nullptr;
+  uint32_t* claim = nullptr;
+  uint64_t timeout_ns = 0;
+  bool pdl = false;                   // launch with programmatic dependent launch (use_pdl())
+  bool slots_in_host_memory = false;  // any rank's slab is host memory (LaunchParams)
+};
+
+// One schedule's uploaded programs by rank (null where this process runs no such rank).
+struct ProgramSet {
+  std::array<const plan::Program*, plan::kMaxWorld> device{};
+  plan::Direction direction = plan::Direction::kPush;  // every rank's program has it
+};
+
+// The parameters of one launch. `inputs`/`outputs` are indexed by rank and hold at least
+// first_rank + ranks_in_launch entries.
+LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet& programs,
+                                plan::DType dtype, int blocks, int threads,
+                                const void* const* inputs, void* const* outputs, int64_t numel,
+                                uint32_t signature, int first_rank, int ranks_in_launch);
+
+// Seconds to the kernel's nanoseconds; throws std::invalid_argument if negative or not finite.
+uint64_t timeout_to_ns(double timeout_s);
+
+}  // namespace pcie_ar::transport

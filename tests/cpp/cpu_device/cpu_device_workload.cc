@@ -1,0 +1,127 @@
+// See cpu_device_workload.h.
+#include "cpu_device_workload.h"
+
+#include <algorithm>
+#include <cstring>
+#include <iterator>
+
+#include "plan/layout.h"
+#include "plan/schedule.h"
+#include "plan/tactic.h"
+
+namespace pcie_ar::transport::cpu_device_test {
+
+using cpu_device::DeviceOptions;
+using cpu_device::LaunchStatus;
+using host_test::CallCase;
+using host_test::RankReport;
+using host_test::TacticCase;
+using host_test::Workload;
+using plan::DType;
+
+std::vector<TacticCase> gpu_tactics(int world, const std::vector<int>& island_of) {
+  std::vector<TacticCase> tactics;
+  for (TacticCase& t : host_test::all_tactics(world, island_of)) {
+    if (!t.fused) tactics.push_back(std::move(t));
+  }
+  return tactics;
+}
+
+Workload make_workload(int world, const std::vector<int>& island_of, int64_t max_numel, int rounds,
+                       const std::function<bool(const plan::Tactic&)>& keep) {
+  Workload w;
+  w.world = world;
+  w.island_of = island_of;
+  for (TacticCase& t : gpu_tactics(world, island_of)) {
+    if (!keep || keep(t.tactic)) w.tactics.push_back(std::move(t));
+  }
+  const int64_t ll_capacity = plan::make_layout(max_numel, world, 4).ll_capacity_bytes;
+  const int64_t vec_counts[] = {1, 3, 7, 37, 130, 1 << 20};
+  int n = 0;
+  for (int round = 0; round < rounds; ++round) {
+    for (int t = 0; t < static_cast<int>(w.tactics.size()); ++t) {
+      const bool ll = w.tactics[t].tactic.protocol == plan::Protocol::kLL;
+      for (DType dtype : plan::kAllDTypes) {
+        const int64_t lanes = plan::kVectorBytes / plan::dtype_bytes(dtype);
+        int64_t limit = max_numel;
+        if (ll) limit = std::min(limit, ll_capacity / plan::dtype_bytes(dtype));
+        for (int s = 0; s < static_cast<int>(std::size(kShapes)); ++s) {
+          const int64_t vecs = vec_counts[(n + t) % std::size(vec_counts)];
+          const int64_t numel = std::min(vecs * lanes, limit / lanes * lanes);
+          // The shape rides in `blocks`: its index; threads come from kShapes at launch.
+          w.calls.push_back(CallCase{t, dtype, numel, s, n % 3 == 1, 7000u * world + n});
+          ++n;
+        }
+      }
+    }
+  }
+  return w;
+}
+
+plan::Tactic launch_tactic(const Workload& w, const CallCase& call) {
+  plan::Tactic t = w.tactics[call.tactic].tactic;
+  t.blocks = kShapes[call.blocks].blocks;
+  t.threads = kShapes[call.blocks].threads;
+  return t;
+}
+
+struct Buffers {
+  Buffers(int world, size_t bytes)
+      : input(world, std::vector<uint8_t>(bytes + host_test::kGuardBytes)),
+        output(world, std::vector<uint8_t>(bytes + host_test::kGuardBytes)) {}
+  std::vector<std::vector<uint8_t>> input, output;
+};
+
+std::string run_workload(const Workload& w, int64_t max_numel, Placement placement,
+                         const DeviceOptions& options, uint64_t initial_gen) {
+  CpuDeviceGroup group(plan::make_layout(max_numel, w.world, 4), placement, initial_gen, 20.0);
+  std::vector<int> ids;
+  for (const TacticCase& t : w.tactics) ids.push_back(group.add_schedule(t.schedule));
+  Buffers buf(w.world, static_cast<size_t>(max_numel) * 4);
+  std::string failures;
+  int failed_calls = 0;
+  for (int i = 0; i < static_cast<int>(w.calls.size()); ++i) {
+    const CallCase& call = w.calls[i];
+    std::vector<const void*> inputs(w.world);
+    std::vector<void*> outputs(w.world);
+    for (int r = 0; r < w.world; ++r) {
+      outputs[r] = host_test::prepare_call(
+          call, [&](int64_t e) { return host_test::input_value(call.seed, r, e, call.dtype); },
+          buf.input[r], buf.output[r]);
+      inputs[r] = buf.input[r].data();
+    }
+    DeviceOptions call_options = options;
+    call_options.seed = options.seed * 1000003u + i;
+    const plan::Tactic tactic = launch_tactic(w, call);
+    const LaunchStatus status = group.launch(ids[call.tactic], tactic, call.dtype, inputs, outputs,
+                                             call.numel, call_options);
+    std::string problem;
+    if (status != LaunchStatus::kCompleted) {
+      const auto d = group.failure();
+      problem = "trapped: " + (d ? plan::describe_failure(*d, 20.0) : std::string("no record"));
+    }
+    const size_t bytes = static_cast<size_t>(call.numel) * plan::dtype_bytes(call.dtype);
+    for (int r = 0; r < w.world && problem.empty(); ++r) {
+      RankReport report{};
+      host_test::check_output(w, call, r, i, static_cast<const uint8_t*>(outputs[r]), &report);
+      if (report.check_failures != 0) problem = report.check_message;
+      if (!host_test::guards_intact(call, buf.input[r], buf.output[r])) {
+        problem = "rank " + std::to_string(r) + " wrote past the message";
+      }
+      if (r > 0 && std::memcmp(outputs[r], outputs[0], bytes) != 0) {
+        problem = "rank " + std::to_string(r) + "'s output differs bitwise from rank 0's";
+      }
+    }
+    if (!problem.empty()) {
+      if (failed_calls++ < 5) {
+        failures += host_test::describe_call(w, i) + " " + plan::tactic_label(tactic) + ": " +
+                    problem + "\n";
+      }
+      if (status != LaunchStatus::kCompleted) break;  // the ranks are out of step now
+    }
+  }
+  if (failed_calls > 5) failures += std::to_string(failed_calls - 5) + " more failed calls\n";
+  return failures;
+}
+
+}  // namespace pcie_ar::transport::cpu_device_test

@@ -1,0 +1,42 @@
+// Workloads of the CPU-device suites: every buildable tactic as built (the CUDA executor runs
+// unfused programs), each dtype and two launch shapes, sizes that hit the edges, run back to
+// back on one CpuDeviceGroup and checked against host_test_util.h's independent number model
+// (bitwise and within tolerance of the double-precision sum) and across ranks (bitwise).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../host_test_util.h"
+#include "cpu_device_group.h"
+#include "transport/executors/cuda/cpu/device.h"
+
+namespace pcie_ar::transport::cpu_device_test {
+
+// Two launch shapes: more than one warp per CTA, and CTAs that own uneven slices.
+struct Shape {
+  int blocks;
+  int threads;
+};
+inline constexpr Shape kShapes[] = {{2, 64}, {3, 32}};
+
+// Every tactic the builders accept for this world and island map, as built.
+std::vector<host_test::TacticCase> gpu_tactics(int world, const std::vector<int>& island_of);
+
+// Each (tactic, dtype, shape) `rounds` times with sizes from a cycle that hits one vector, fewer
+// vectors than chunks x blocks, odd counts and a full slot; in place every third call. A call's
+// `blocks` field holds its index into kShapes. `keep(tactic)` filters the tactics (all: empty).
+host_test::Workload make_workload(int world, const std::vector<int>& island_of, int64_t max_numel,
+                                  int rounds,
+                                  const std::function<bool(const plan::Tactic&)>& keep = {});
+
+// The tactic call `call` launches with: its shape's blocks and threads.
+plan::Tactic launch_tactic(const host_test::Workload& w, const host_test::CallCase& call);
+
+// Runs every call of `w` back to back on one group (all ranks in one launch per call); returns
+// the failures as text, "" when every call of every rank was right. Stops at a trapped launch.
+std::string run_workload(const host_test::Workload& w, int64_t max_numel, Placement placement,
+                         const cpu_device::DeviceOptions& options, uint64_t initial_gen = 0);
+
+}  // namespace pcie_ar::transport::cpu_device_test

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Deliberate mutations of the CUDA executor, each run on the CPU device against its suites.
+
+Every mutant is one small edit that breaks a rule the protocol depends on. It is compiled into
+the CPU device's executor through the PCIE_AR_CPU_DEVICE_OVERLAY build option (a directory of
+headers searched before csrc/; the tree itself is never touched) and the CPU-device suites run
+against it. A mutant is killed when a test fails (or the run hangs past its limit); a mutant that
+survives is a hole in the suites, and this script exits 1.
+
+    python3 tests/cpp/cpu_device/mutants.py            # every mutant
+    python3 tests/cpp/cpu_device/mutants.py wrong_parity missing_release
+
+Builds in build/mutants (torch and CUDA off); each mutant recompiles one translation unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+BUILD = ROOT / "build" / "mutants"
+EXECUTOR = "transport/executors/cuda/executor.cuh"
+CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
+# Run in turn against each mutant, each stopping at its first failure: the matrix of tactics,
+# then the rest (back to back across the tag wrap, the host cross-check, ranks as processes, the
+# failure paths). A mutant is killed when either fails.
+SUITES = ("Loopback/CpuDeviceExecutor.*",
+          "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*")
+LIMIT_S = 900
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # under csrc/
+    before: str
+    after: str
+    breaks: str
+
+
+MUTANTS = [
+    Mutant("no_barrier_before_signal", EXECUTOR,
+           "        const int n = run_length(program, s, num_steps);\n        __syncthreads();\n"
+           "        for (int j = threadIdx.x; j < n; j += blockDim.x) raise_flag(",
+           "        const int n = run_length(program, s, num_steps);\n"
+           "        for (int j = threadIdx.x; j < n; j += blockDim.x) raise_flag(",
+           "a signal may go out before the CTA's other threads have written their part"),
+    Mutant("no_barrier_after_waits", EXECUTOR,
+           "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n"
+           "        __syncthreads();\n",
+           "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n",
+           "a thread may read data whose flag another thread of its CTA is still waiting for"),
+    Mutant("no_ll_reset", EXECUTOR,
+           "      store_ll(ll, 0u, 0u, stale);\n      store_ll(ll + 1, 0u, 0u, stale);\n",
+           "      (void)ll;\n      (void)stale;\n",
+           "a consumed LL word keeps its tag: two calls later it names the wrong call"),
+    Mutant("wrong_parity", EXECUTOR,
+           "  c.parity = plan::gen_parity(c.gen);\n",
+           "  c.parity = 0;\n",
+           "no double buffer: a fast rank overwrites what a slow peer still reads"),
+    Mutant("missing_release", CPU_PRIMITIVES,
+           "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n",
+           "  cpu_device::store(ptr, &gen, sizeof(gen));\n",
+           "a flag's generation is a plain store: it may land before the data it announces"),
+    Mutant("call_after_release", CPU_PRIMITIVES,
+           "  cpu_device::store(static_cast<uint64_t*>(ptr) + 1, &call, sizeof(call));\n"
+           "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n",
+           "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n"
+           "  cpu_device::store(static_cast<uint64_t*>(ptr) + 1, &call, sizeof(call));\n",
+           "a reader that acquired the generation may see the previous call's identity (the "
+           "torn flag the CPU device found)"),
+]
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, **kw)
+
+
+def overlay(m: Mutant) -> Path:
+    """A directory holding only the mutated file, at its path under csrc/."""
+    src = (ROOT / "csrc" / m.path).read_text()
+    count = src.count(m.before)
+    if count != 1:
+        sys.exit(f"mutant {m.name}: the text to mutate occurs {count} times in csrc/{m.path} "
+                 "(expected once): update the mutant with the code")
+    where = BUILD / "overlays" / m.name
+    shutil.rmtree(where, ignore_errors=True)
+    target = where / m.path
+    target.parent.mkdir(parents=True)
+    target.write_text(src.replace(m.before, m.after))
+    return where
+
+
+def build(overlay_dir: Path | str) -> None:
+    configure = ["cmake", "-S", str(ROOT), "-B", str(BUILD), "-DPCIE_AR_WITH_TORCH=OFF",
+                 "-DPCIE_AR_WITH_CUDA=OFF", f"-DPCIE_AR_CPU_DEVICE_OVERLAY={overlay_dir}"]
+    if shutil.which("ninja") and not (BUILD / "CMakeCache.txt").exists():
+        configure += ["-G", "Ninja"]
+    for cmd in (configure, ["cmake", "--build", str(BUILD), "-j", os.environ.get("JOBS", "2"),
+                            "--target", "pcie_cpu_device_tests"]):
+        done = run(cmd)
+        if done.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
+
+
+def suites() -> tuple[str, list[str], float]:
+    """('passed'|'failed'|'hung', the first failing test of each suite, seconds)."""
+    start = time.monotonic()
+    outcome, failed = "passed", []
+    for suite in SUITES:
+        try:
+            done = run([str(BUILD / "pcie_cpu_device_tests"), f"--gtest_filter={suite}",
+                        "--gtest_fail_fast"], timeout=LIMIT_S)
+        except subprocess.TimeoutExpired:
+            outcome = "hung"
+            continue
+        failed += sorted(set(re.findall(r"^\[  FAILED  \] ([^\s,]+\.[^\s,]+)", done.stdout, re.M)))
+        if done.returncode != 0 and outcome == "passed":
+            outcome = "failed"
+    return outcome, failed, time.monotonic() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    args = parser.parse_args()
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        sys.exit(f"unknown mutant(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    chosen = [known[n] for n in args.names] or MUTANTS
+    BUILD.mkdir(parents=True, exist_ok=True)
+    survivors = []
+    for m in chosen:
+        build(overlay(m))
+        outcome, failed, seconds = suites()
+        caught = ", ".join(failed) if failed else ("(hung past the limit)" if outcome == "hung"
+                                                   else "-")
+        verdict = "SURVIVED" if outcome == "passed" else "killed"
+        print(f"{m.name:26} {verdict:8} {seconds:6.1f} s  breaks: {m.breaks}\n"
+              f"{'':26} caught by {caught}", flush=True)
+        if outcome == "passed":
+            survivors.append(m.name)
+    build("")  # leave the build directory with the real executor
+    outcome, failed, _ = suites()
+    if outcome != "passed":
+        print(f"the unmutated executor fails the suites: {', '.join(failed) or outcome}")
+        return 1
+    if survivors:
+        print(f"surviving mutants: {', '.join(survivors)}")
+        return 1
+    print(f"all {len(chosen)} mutants killed; the unmutated executor passes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

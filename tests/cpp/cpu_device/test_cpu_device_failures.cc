@@ -1,0 +1,194 @@
+// The CUDA executor's failure paths on the CPU device, and the negative controls that prove the
+// suites can fail. Each failure path must leave the record a GPU leaves (tests/gpu/
+// loopback_check.cu checks the same fields there) and the message the host transport gives for
+// it; the LL path under 4-byte tearing must fail, never pass.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../host_test_util.h"
+#include "cpu_device_group.h"
+#include "cpu_device_workload.h"
+#include "plan/layout.h"
+#include "plan/protocol.h"
+#include "plan/schedule.h"
+#include "plan/tactic.h"
+#include "transport/executors/cuda/cpu/device.h"
+
+namespace pcie_ar::transport {
+namespace {
+
+using cpu_device::DeviceOptions;
+using cpu_device::LaunchStatus;
+using cpu_device::MemoryModel;
+using cpu_device_test::CpuDeviceGroup;
+using cpu_device_test::Placement;
+using plan::DType;
+using plan::FailureKind;
+using plan::Protocol;
+
+constexpr int64_t kNumel = 1024;
+
+plan::Tactic two_rank_tactic(Protocol protocol, int blocks) {
+  plan::Tactic tactic;
+  tactic.algorithm = plan::Algorithm::kOneshot;
+  tactic.direction = plan::Direction::kPush;
+  tactic.staged = protocol == Protocol::kFlag;  // LL is unstaged
+  tactic.protocol = protocol;
+  tactic.blocks = blocks;
+  tactic.threads = 64;
+  return tactic;
+}
+
+plan::Schedule two_rank_schedule(const plan::Tactic& tactic) {
+  return plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, 2, {},
+                              tactic.protocol);
+}
+
+struct Buffers {
+  std::vector<std::vector<uint8_t>> bytes{2, std::vector<uint8_t>(kNumel * 4)};
+  std::vector<const void*> inputs{bytes[0].data(), bytes[1].data()};
+  std::vector<void*> outputs{bytes[0].data(), bytes[1].data()};  // in place
+};
+
+struct FailureParam {
+  Protocol protocol;
+  MemoryModel memory;
+  Placement placement;
+};
+
+std::string failure_name(const ::testing::TestParamInfo<FailureParam>& info) {
+  const FailureParam& p = info.param;
+  return std::string(p.protocol == Protocol::kLL ? "ll" : "flag") +
+         (p.memory == MemoryModel::kStrict ? "_strict" : "_weak") +
+         (p.placement == Placement::kDevice ? "_device" : "_host");
+}
+
+class CpuDeviceFailure : public ::testing::TestWithParam<FailureParam> {};
+
+// World 2 with only rank 0 launched: rank 0 must time out waiting for rank 1 (its flag, or its LL
+// data), record it naming rank 1, and trap, after the timeout and not long after.
+TEST_P(CpuDeviceFailure, AMissingPeerTimesOutNamingIt) {
+  const FailureParam& p = GetParam();
+  constexpr uint64_t kGen = 0x1FFFFFFF0ull;  // past 2^32: the record carries 64 bits
+  constexpr double kTimeout = 0.3;
+  CpuDeviceGroup group(plan::make_layout(kNumel, 2, 4), p.placement, kGen, kTimeout);
+  const plan::Tactic tactic = two_rank_tactic(p.protocol, 2);
+  const int id = group.add_schedule(two_rank_schedule(tactic));
+  Buffers buf;
+  const auto t0 = std::chrono::steady_clock::now();
+  const LaunchStatus status = group.launch(id, tactic, DType::kBF16, buf.inputs, buf.outputs,
+                                           kNumel, DeviceOptions{p.memory, 3}, 0, 1);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(status, LaunchStatus::kTrapped);
+  const auto d = group.failure();
+  ASSERT_TRUE(d.has_value()) << "no record";
+  const FailureKind want =
+      p.protocol == Protocol::kLL ? FailureKind::kLLTimeout : FailureKind::kTimeout;
+  EXPECT_EQ(d->kind, static_cast<uint32_t>(want));
+  EXPECT_EQ(d->rank, 0u);
+  EXPECT_EQ(d->peer, 1u);
+  EXPECT_EQ(d->gen_expected, kGen + 1);
+  EXPECT_GE(s, 0.9 * kTimeout);
+  EXPECT_LT(s, kTimeout + 5.0);
+  const std::string message = plan::describe_failure(*d, kTimeout);
+  if (p.protocol == Protocol::kLL) {
+    // The LL slot rank 1 writes in rank 0's memory; the tag expected is this call's, and what
+    // was seen is the initial stale tag (nothing of this call arrived).
+    const uint32_t tag = plan::ll_tag(kGen + 1, kNumel, plan::call_signature(DType::kBF16, tactic));
+    EXPECT_EQ(d->flag_owner, 0u);
+    EXPECT_EQ(d->peer_signature, tag);
+    EXPECT_NE(static_cast<uint32_t>(d->gen_seen), tag);
+  } else {
+    EXPECT_EQ(d->gen_seen, kGen);
+  }
+  EXPECT_NE(message.find("rank 0 timed out"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+}
+
+// Ranks 0 and 1 launched separately and concurrently with different dtypes: whoever looks first
+// must report the disagreement instead of reducing garbage. Flag: the flag's signature differs;
+// LL: the tag of the peer's data names another call.
+TEST_P(CpuDeviceFailure, PeersThatDisagreeAboutTheCallReportAMismatch) {
+  const FailureParam& p = GetParam();
+  constexpr uint64_t kGen = 7;
+  CpuDeviceGroup group(plan::make_layout(kNumel, 2, 4), p.placement, kGen, 5.0);
+  const plan::Tactic tactic = two_rank_tactic(p.protocol, 1);
+  const int id = group.add_schedule(two_rank_schedule(tactic));
+  Buffers buf;
+  const uint32_t sig_bf16 = plan::call_signature(DType::kBF16, tactic);
+  const uint32_t sig_fp16 = plan::call_signature(DType::kFP16, tactic);
+  LaunchStatus other = LaunchStatus::kCompleted;
+  std::thread rank1([&] {
+    other = group.launch(id, tactic, DType::kFP16, buf.inputs, buf.outputs, kNumel,
+                         DeviceOptions{p.memory, 5}, 1, 1, sig_fp16);
+  });
+  const LaunchStatus mine = group.launch(id, tactic, DType::kBF16, buf.inputs, buf.outputs, kNumel,
+                                         DeviceOptions{p.memory, 6}, 0, 1, sig_bf16);
+  rank1.join();
+  EXPECT_TRUE(mine == LaunchStatus::kTrapped || other == LaunchStatus::kTrapped);
+  const auto d = group.failure();
+  ASSERT_TRUE(d.has_value()) << "no record";
+  EXPECT_EQ(d->gen_expected, kGen + 1);
+  EXPECT_EQ(d->numel, static_cast<uint32_t>(kNumel));
+  const bool rank0 = d->rank == 0;
+  EXPECT_EQ(d->peer, rank0 ? 1u : 0u);
+  EXPECT_EQ(d->signature, rank0 ? sig_bf16 : sig_fp16);
+  if (p.protocol == Protocol::kFlag) {
+    EXPECT_EQ(d->kind, static_cast<uint32_t>(FailureKind::kMismatch));
+    EXPECT_EQ(d->peer_signature, rank0 ? sig_fp16 : sig_bf16);
+    EXPECT_EQ(d->peer_numel, static_cast<uint32_t>(kNumel));
+    const std::string message = plan::describe_failure(*d, 5.0);
+    EXPECT_NE(message.find("disagree"), std::string::npos) << message;
+  } else {
+    // make_ll_diagnostic: gen_seen is the tag seen (the peer's call), peer_signature the tag
+    // this rank expected.
+    const uint32_t tag_bf16 = plan::ll_tag(kGen + 1, kNumel, sig_bf16);
+    const uint32_t tag_fp16 = plan::ll_tag(kGen + 1, kNumel, sig_fp16);
+    EXPECT_EQ(d->kind, static_cast<uint32_t>(FailureKind::kLLMismatch));
+    EXPECT_EQ(d->peer_signature, rank0 ? tag_bf16 : tag_fp16);
+    EXPECT_EQ(static_cast<uint32_t>(d->gen_seen), rank0 ? tag_fp16 : tag_bf16);
+  }
+}
+
+std::vector<FailureParam> failure_params() {
+  std::vector<FailureParam> params;
+  for (Protocol protocol : {Protocol::kFlag, Protocol::kLL}) {
+    for (MemoryModel memory : {MemoryModel::kStrict, MemoryModel::kWeak}) {
+      for (Placement placement : {Placement::kDevice, Placement::kHost}) {
+        params.push_back(FailureParam{protocol, memory, placement});
+      }
+    }
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, CpuDeviceFailure, ::testing::ValuesIn(failure_params()),
+                         failure_name);
+
+// ---------------------------------------------------------------- negative control: tearing
+
+// LL relies on 8-byte single-copy atomicity ({payload, tag} land together). With 4-byte pieces a
+// reader can see a tag before its payload: the LL suite must then fail (a wrong element, a
+// mismatch or a timeout), or it proves nothing about the atomicity it relies on.
+TEST(CpuDeviceNegativeControl, FourByteTearingMakesTheLLSuiteFail) {
+  constexpr int64_t kMaxNumel = 2100;
+  const auto ll_only = [](const plan::Tactic& t) { return t.protocol == Protocol::kLL; };
+  const host_test::Workload w = cpu_device_test::make_workload(4, {}, kMaxNumel, 3, ll_only);
+  ASSERT_FALSE(w.tactics.empty());
+  int failing_runs = 0;
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    const std::string failures = cpu_device_test::run_workload(
+        w, kMaxNumel, Placement::kDevice, DeviceOptions{MemoryModel::kWeakTear4, seed});
+    if (!failures.empty()) ++failing_runs;
+    if (seed == 1) std::printf("    first failures with tearing:\n%s", failures.c_str());
+  }
+  EXPECT_EQ(failing_runs, 3) << "an LL suite that passes with torn words checks nothing";
+}
+
+}  // namespace
+}  // namespace pcie_ar::transport
