@@ -203,6 +203,8 @@ class Communicator {
                    at::Tensor& out);
   std::optional<std::string> why_not_runnable(const plan::TableRow& row, int64_t bytes) const;
   void run_fallback(const at::Tensor& inp, at::Tensor& out);
+  // The generation a fallback call takes (plan::skip_program) on a connected workspace.
+  void skip_call();
   void note_decline(Decline decline, const at::Tensor& t);
   [[noreturn]] void fail(const plan::Diagnostic& diagnostic);
   void log(int level, const std::string& message) const;
@@ -220,6 +222,7 @@ class Communicator {
   int64_t staged_ = 0;
   std::atomic<bool> busy_{false};
   bool connected_ = false;
+  int skip_program_ = -1;  // plan::skip_program in the workspace, once connected
   bool released_ = false;
 };
 

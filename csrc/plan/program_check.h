@@ -21,7 +21,7 @@ struct ProgramFacts {
 // Checks `program` as rank `rank`'s program on a workspace of `layout`. Throws
 // std::invalid_argument naming the rank, the step and the bad field, and what was expected:
 //   - the layout is one make_layout() produces; the program is for `rank` of layout.world;
-//   - 1..kMaxSteps steps, at least one chunk, a known direction;
+//   - 0..kMaxSteps steps (none: plan::skip_program()), at least one chunk, a known direction;
 //   - kReduce: chunk < num_chunks, 1..kMaxSources operands, the destination is not the input,
 //     inputs/outputs are `rank`'s own, slots lie inside the layout; an LL operand is `rank`'s
 //     own LL slot (readers poll only their own memory), an LL destination names `rank` as its

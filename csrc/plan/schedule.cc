@@ -500,6 +500,18 @@ Program encode_program(const Schedule& schedule, int rank) {
   return program;
 }
 
+Program skip_program(int rank, int world) {
+  if (world < 1 || world > kMaxWorld || rank < 0 || rank >= world) {
+    throw std::out_of_range("skip_program(): rank " + std::to_string(rank) + " of world " +
+                            std::to_string(world));
+  }
+  Program program;
+  program.rank = static_cast<uint8_t>(rank);
+  program.world = static_cast<uint8_t>(world);
+  program.num_steps = 0;
+  return program;
+}
+
 namespace {
 
 std::string describe_buf(const BufRef& buf) {

@@ -66,6 +66,14 @@ Schedule fuse_forwarding_copies(Schedule schedule);
 // fit (it always does for schedules the builders emit).
 Program encode_program(const Schedule& schedule, int rank);
 
+// The program of a call that took another path (the group's own all-reduce): no steps, so an
+// executor only ends the call, and every generation counter takes the next generation, as for a
+// call that ran. A rank runs it for every call it sends to the fallback, so every rank's
+// generation counts every call whatever path each took. Without it, a rank that declined a call
+// its peer ran on the kernels would, at its next call of the same shape, find the peer's data of
+// the abandoned call waiting under the very generation it expects, and sum it.
+Program skip_program(int rank, int world);
+
 // Human-readable names for diagnostics and to_dict().
 std::string describe_step(const Step& step);
 

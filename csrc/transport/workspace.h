@@ -51,7 +51,8 @@ class TransportFailure : public std::runtime_error {
 // check again: `program` came from add_program(); the tactic passed why_not(); dtype fits the
 // layout's elements; 0 < numel <= layout.max_numel and numel * dtype bytes is a multiple of 16;
 // input and output are 16-byte aligned and either the same buffer (in place) or disjoint; an LL
-// program's message fits layout.ll_capacity_bytes.
+// program's message fits layout.ll_capacity_bytes. A plan::skip_program() reads none of the call
+// but `blocks` (1) and `stream`: it only takes the next generation.
 struct Call {
   int program = -1;  // id from add_program()
   plan::DType dtype = plan::DType::kBF16;

@@ -238,6 +238,66 @@ TEST(HostShm, TimeoutNamesThePeerThatNeverCalled) {
   EXPECT_EQ(g.reports[2].outcome, kReturned) << describe_child(g, 2);
 }
 
+// Issue 26, item 1: rank 0 sends a call to the fallback (it runs plan::skip_program, as the
+// communicator does) while rank 1 runs it on the executor and times out. At the next call of the
+// same shape rank 0 must not sum what rank 1 left for the abandoned call: it times out naming
+// rank 1. Without the skip (`skip` false, the control) it returns that mixed sum, which is why
+// every fallback call takes its generation.
+GroupResult diverge(const plan::Tactic& tactic, bool skip) {
+  GroupSpec spec = short_timeout_group(2, 7);
+  return run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
+    const int program = ws.add_program(
+        plan::encode_program(plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged,
+                                                  2, {}, tactic.protocol),
+                             env.rank));
+    const int skip_program = ws.add_program(plan::skip_program(env.rank, 2));
+    constexpr int64_t kNumel = 64;
+    std::vector<float> in(kNumel, env.rank == 0 ? 1.0f : 100.0f), out(kNumel, 0.0f);
+    const uint32_t signature = plan::call_signature(DType::kFP32, tactic);
+    if (env.rank == 1) {  // the abandoned call, on the executor: it times out
+      try {
+        run_call(ws, program, DType::kFP32, 1, in.data(), out.data(), kNumel, signature);
+      } catch (const TransportFailure&) {
+      }
+      arrive_and_wait(env.arena, 3 * spec.world, 10.0);
+      return;
+    }
+    if (skip) run_call(ws, skip_program, DType::kFP32, 1, nullptr, nullptr, 0, 0);
+    arrive_and_wait(env.arena, 3 * spec.world, 10.0);  // rank 1 has given up on its call
+    std::fill(in.begin(), in.end(), 2.0f);
+    try {
+      run_call(ws, program, DType::kFP32, 1, in.data(), out.data(), kNumel, signature);
+      env.report->scenario_ok = 2;  // returned
+      set_text(env.report->message, "returned " + std::to_string(static_cast<int>(out[0])));
+    } catch (const TransportFailure& e) {
+      record_exception(env.report, e);
+      env.report->scenario_ok = e.diagnostic().peer == 1 ? 1 : 0;
+    }
+  });
+}
+
+TEST(HostShm, ACallOneRankSentToTheFallbackNeverMixesIntoTheNext) {
+  for (const plan::Tactic& tactic :
+       {make_tactic(Algorithm::kOneshot, Direction::kPush, false), ll_tactic(Algorithm::kOneshot),
+        make_tactic(Algorithm::kTwoshot, Direction::kPull, true)}) {
+    SCOPED_TRACE(plan::tactic_label(tactic));
+    const GroupResult g = diverge(tactic, true);
+    expect_clean(g);
+    EXPECT_EQ(g.reports[0].scenario_ok, 1)
+        << "rank 0 did not fail naming rank 1: " << describe_child(g, 0);
+    EXPECT_EQ(g.reports[0].error_type, kTransportError);
+  }
+}
+
+TEST(HostShm, WithoutTheSkipTheAbandonedCallsDataIsSummed) {
+  // The control: the harness above can tell a mixed sum from a refusal.
+  const GroupResult g = diverge(make_tactic(Algorithm::kOneshot, Direction::kPush, false), false);
+  expect_clean(g);
+  ASSERT_EQ(g.reports[0].scenario_ok, 2) << describe_child(g, 0);
+  // Rank 0's 2 plus the 100 rank 1 left for the abandoned call.
+  EXPECT_EQ(std::string(g.reports[0].message), "returned 102");
+}
+
 TEST(HostShm, KilledPeerIsReportedAndLeavesNothingInDevShm) {
   constexpr int kCallsBeforeDeath = 5;
   GroupSpec spec;

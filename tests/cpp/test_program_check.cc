@@ -67,6 +67,20 @@ TEST(ProgramCheck, EveryBuiltProgramPassesAndPushProgramsReadOnlyLocalMemory) {
   EXPECT_GT(programs, 300);
 }
 
+// A call sent to the fallback runs the program of no steps, which only takes the generation.
+TEST(ProgramCheck, TheSkipProgramPassesForEveryRankAndTouchesNothing) {
+  for (int world = 2; world <= kMaxWorld; ++world) {
+    const Layout layout = make_layout(4096, world, 4);
+    for (int r = 0; r < world; ++r) {
+      const Program skip = skip_program(r, world);
+      EXPECT_EQ(skip.num_steps, 0);
+      const ProgramFacts facts = check_program(skip, layout, r);
+      EXPECT_FALSE(facts.loads_peer_slots || facts.stores_peer_slots || facts.uses_ll);
+    }
+  }
+  EXPECT_THROW(skip_program(4, 4), std::out_of_range);
+}
+
 class ProgramCheckRejects : public ::testing::Test {
  protected:
   ProgramCheckRejects()
@@ -104,7 +118,7 @@ TEST_F(ProgramCheckRejects, AProgramForAnotherWorld) {
 
 TEST_F(ProgramCheckRejects, AProgramThatDoesNotFit) {
   program_.num_steps = kMaxSteps + 1;
-  expect_rejects(program_, layout_, 1, "rank 1's program has 65 steps; expected 1..64");
+  expect_rejects(program_, layout_, 1, "rank 1's program has 65 steps; expected 0..64");
 }
 
 TEST_F(ProgramCheckRejects, ALayoutMakeLayoutDidNotProduce) {

@@ -54,6 +54,17 @@ int CpuDeviceGroup::add_schedule(const plan::Schedule& schedule) {
   return static_cast<int>(schedules_.size()) - 1;
 }
 
+int CpuDeviceGroup::add_skip() {
+  Uploaded up;
+  up.schedule.world = layout_.world;
+  for (int r = 0; r < layout_.world; ++r) {
+    up.programs.push_back(plan::skip_program(r, layout_.world));
+    plan::check_program(up.programs.back(), layout_, r);
+  }
+  schedules_.push_back(std::move(up));
+  return static_cast<int>(schedules_.size()) - 1;
+}
+
 cpu_device::LaunchStatus CpuDeviceGroup::launch(int schedule_id, const plan::Tactic& tactic,
                                                 plan::DType dtype,
                                                 const std::vector<const void*>& inputs,

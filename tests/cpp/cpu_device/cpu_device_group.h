@@ -40,6 +40,8 @@ class CpuDeviceGroup {
   const plan::Layout& layout() const { return layout_; }
   // Encodes and checks (plan::check_program) every rank's program; returns an id.
   int add_schedule(const plan::Schedule& schedule);
+  // Every rank's plan::skip_program (what a rank runs for a call it sends to the fallback).
+  int add_skip();
   const plan::Schedule& schedule(int id) const { return schedules_[id].schedule; }
 
   // One launch of ranks [first_rank, first_rank + count) (count -1: the rest). inputs/outputs

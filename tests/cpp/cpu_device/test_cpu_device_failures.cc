@@ -170,6 +170,75 @@ std::vector<FailureParam> failure_params() {
 INSTANTIATE_TEST_SUITE_P(Paths, CpuDeviceFailure, ::testing::ValuesIn(failure_params()),
                          failure_name);
 
+// ---------------------------------------------------------------- a call only one rank ran
+
+// Issue 26, item 1, on the CUDA executor: rank 0 sends a call to the fallback (it runs the skip
+// program, as the communicator does) while rank 1 runs it on the kernels and times out. At the
+// next call of the same shape rank 0 must not sum what rank 1 left for the abandoned call: it
+// times out naming rank 1. Without the skip (the control) it returns that mixed sum.
+struct DivergenceParam {
+  Protocol protocol;
+  MemoryModel memory;
+  bool skip;
+};
+
+std::string divergence_name(const ::testing::TestParamInfo<DivergenceParam>& info) {
+  const DivergenceParam& p = info.param;
+  return std::string(p.protocol == Protocol::kLL ? "ll" : "flag") +
+         (p.memory == MemoryModel::kStrict ? "_strict" : "_weak") +
+         (p.skip ? "" : "_without_the_skip");
+}
+
+class CpuDeviceDivergence : public ::testing::TestWithParam<DivergenceParam> {};
+
+TEST_P(CpuDeviceDivergence, ACallOneRankSentToTheFallbackNeverMixesIntoTheNext) {
+  const DivergenceParam& p = GetParam();
+  constexpr int64_t kCount = 256;
+  CpuDeviceGroup group(plan::make_layout(kCount, 2, 4), Placement::kDevice, 10, 0.3);
+  const plan::Tactic tactic = two_rank_tactic(p.protocol, 1);
+  const int id = group.add_schedule(two_rank_schedule(tactic));
+  const int skip = group.add_skip();
+  std::vector<std::vector<float>> in{std::vector<float>(kCount, 2.0f),
+                                     std::vector<float>(kCount, 100.0f)};
+  std::vector<std::vector<float>> out(2, std::vector<float>(kCount, 0.0f));
+  const std::vector<const void*> inputs{in[0].data(), in[1].data()};
+  const std::vector<void*> outputs{out[0].data(), out[1].data()};
+  const DeviceOptions options{p.memory, 21};
+  if (p.skip) {
+    ASSERT_EQ(group.launch(skip, tactic, DType::kFP32, inputs, outputs, 0, options, 0, 1),
+              LaunchStatus::kCompleted);
+  }
+  ASSERT_EQ(group.launch(id, tactic, DType::kFP32, inputs, outputs, kCount, options, 1, 1),
+            LaunchStatus::kTrapped);  // rank 1 ran the call alone
+  group.clear_failure();
+  const LaunchStatus again =
+      group.launch(id, tactic, DType::kFP32, inputs, outputs, kCount, options, 0, 1);
+  if (p.skip) {
+    ASSERT_EQ(again, LaunchStatus::kTrapped) << "rank 0 returned " << out[0][0];
+    const auto d = group.failure();
+    ASSERT_TRUE(d.has_value());
+    EXPECT_EQ(d->rank, 0u);
+    EXPECT_EQ(d->peer, 1u);
+    EXPECT_EQ(d->gen_expected, 12u);  // the skipped call took generation 11
+  } else {
+    ASSERT_EQ(again, LaunchStatus::kCompleted);
+    EXPECT_EQ(out[0][0], 102.0f);  // 2 + the 100 rank 1 left for the abandoned call
+  }
+}
+
+std::vector<DivergenceParam> divergence_params() {
+  std::vector<DivergenceParam> params;
+  for (Protocol protocol : {Protocol::kFlag, Protocol::kLL}) {
+    for (MemoryModel memory : {MemoryModel::kStrict, MemoryModel::kWeak}) {
+      for (bool skip : {true, false}) params.push_back(DivergenceParam{protocol, memory, skip});
+    }
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Skip, CpuDeviceDivergence, ::testing::ValuesIn(divergence_params()),
+                         divergence_name);
+
 // ---------------------------------------------------------------- negative control: tearing
 
 // LL relies on 8-byte single-copy atomicity ({payload, tag} land together). With 4-byte pieces a
