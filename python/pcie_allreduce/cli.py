@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from . import _C
+from .native import _C
 from . import plan as plan_mod
 from . import topology as topo_mod
 

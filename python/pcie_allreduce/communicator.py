@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, tuning
+from . import tuning
+from .native import _C
 from .env import parse_transport, read_env
 from .bootstrap import Bootstrap
 from .errors import PcieAllReduceTimeout

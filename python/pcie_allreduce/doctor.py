@@ -40,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import _C
+from .native import _C
 from . import plan as plan_mod
 from . import tuning
 from .env import parse_transport

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import _C
+from .native import _C
 
 
 def run_nvidia_smi(args: List[str]) -> Optional[str]:

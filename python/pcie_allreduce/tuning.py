@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C
+from .native import _C
 from .env import read_env
 from .errors import TuneError, TuneRefused
 from .plan import ALGORITHMS
