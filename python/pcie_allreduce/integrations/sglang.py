@@ -53,6 +53,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from .. import policy
 from . import common
 
 logger = logging.getLogger("pcie_allreduce")
@@ -217,7 +218,7 @@ class SglangPcieAllReduce:
         self._cpu_group = cpu_group
         self._engine_deterministic = type(coordinator)._deterministic_collectives_enabled
         self.max_numel = 0
-        self.sizing: Optional[common.Sizing] = None
+        self.sizing: Optional[policy.Sizing] = None
         self.deterministic: Optional[str] = None
         self.warm_up_outcome: Optional[Dict[str, Any]] = None
         self._ar: Any = None
@@ -333,8 +334,8 @@ class SglangPcieAllReduce:
         sizing = common.size_workspace("sglang", max_bs=max_bs, draft_tokens=draft,
                                        hidden=hidden)
         deterministic, why = _deterministic(self._engine_deterministic)
-        table = common.deterministic_table("cuda" if self.device.type == "cuda" else "host") \
-            if deterministic else None
+        transport = policy.CUDA_IPC if self.device.type == "cuda" else policy.HOST_SHM
+        table = common.deterministic_table(transport) if deterministic else None
         try:
             self._ar = PcieAllReduce(self._group, self.device, max_numel=sizing.max_numel,
                                      table=table, cpu_group=self._cpu_group)
