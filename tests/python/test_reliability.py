@@ -271,6 +271,9 @@ def test_bad_constructor_arguments_say_what_was_wrong_and_what_was_expected(tmp_
         (["--min-bytes", "1", "--max-bytes", "15"], "no message size in --min-bytes 1"),
         (["--json", "/nonexistent/dir/out.json"], "does not exist or is not writable"),
         (["--table", "/nonexistent/table.csv"], "no such file"),
+        (["--transport", "nvlink"], "--transport must be one of auto, host_shm, cuda_ipc, "
+         "cuda_host (or host = host_shm, cuda = cuda_ipc, p2p = cuda_ipc, hostmem = cuda_host), "
+         "got 'nvlink'"),
     ],
 )
 def test_bench_rejects_bad_arguments_before_starting_any_rank(argv, fragment, capsys):
