@@ -49,12 +49,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Callable, Dict, Optional, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from .. import policy
 from . import common
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("pcie_allreduce")
 
@@ -197,7 +198,11 @@ def _engine_autotune_disabled() -> bool:
 
 def _stream_capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream is being captured into a graph (never for the CPU)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device.type != "cuda":
+        return False
+    import torch  # loaded long before (SGLang's own); not at plugin import, which may stay off
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 # ---------------------------------------------------------------------------- the slot
@@ -207,6 +212,8 @@ class SglangPcieAllReduce:
     ``prepare``, ``destroy``) over one :class:`PcieAllReduce`, plus ``stats()``."""
 
     def __init__(self, coordinator: Any) -> None:
+        import torch
+
         self.group_name = common.TP_GROUP_NAME
         self.rank = int(coordinator.rank_in_group)
         self.world_size = int(coordinator.world_size)
