@@ -1,6 +1,6 @@
 """How a :class:`~pcie_allreduce.PcieAllReduce` is built: the steps every rank takes, in order.
 
-1. **arguments** (this rank alone, before any exchange): sizes, transport and table checked
+1. **decide_locally** (this rank alone, before any exchange): sizes, transport and table checked
    (``policy``), the table file read and parsed, the extension's ``Options`` filled;
 2. **meet**: every rank arrives; ranks on different machines turn the backend off
    (``multi_host``) before anything maps a peer's memory;
