@@ -54,5 +54,6 @@ setup(
     ext_modules=[CMakeExtension("pcie_allreduce._C")],
     cmdclass={"build_ext": CMakeBuild},
     package_dir={"": "python"},
-    packages=["pcie_allreduce", "pcie_allreduce.integrations"],
+    packages=["pcie_allreduce", "pcie_allreduce.integrations", "pcie_allreduce.tuning",
+              "pcie_allreduce.tools", "pcie_allreduce.tools.doctor"],
 )

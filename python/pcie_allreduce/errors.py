@@ -31,3 +31,8 @@ class TuneError(RuntimeError):
     """A tune ran but could not produce a table (no tactic passed its correctness check, or
     every measurement was excluded): it never reports success for a tune that measured
     nothing."""
+
+
+class TableMismatch(RuntimeError):
+    """Ranks installed different tuning tables (``PcieAllReduce.install_table``): they would
+    take different paths for the same call, so the backend is off on every rank."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from . import _C
+from .native import _C
 
 ALGORITHMS = tuple(_C.algorithms())
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import _C
+from . import policy
+from .native import _C
 
 
 def run_nvidia_smi(args: List[str]) -> Optional[str]:
@@ -51,7 +52,7 @@ def driver_version() -> str:
     """The NVIDIA driver's version (and the CUDA runtime torch was built with): part of the
     tuning cache's fingerprint, since a driver update can change which tactic wins."""
     rows = nvidia_smi_query("driver_version")
-    return f"driver {rows[0][0] if rows else 'unknown'}, cuda {torch.version.cuda}"
+    return policy.driver_field(rows[0][0] if rows else "", torch.version.cuda)
 
 
 def _norm_bus(bus_id: str) -> str:
@@ -65,6 +66,21 @@ def probe() -> Optional["_C.Topology"]:
     if text is None:
         return None
     return _C.Topology.from_nvidia_smi(text)
+
+
+def host_devices() -> List[str]:
+    """What the host transport runs on, for its fingerprint: the CPU model and the number of
+    NUMA nodes."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    return [f"{model} ({os.cpu_count()} CPUs, {nodes} NUMA node(s))"]
 
 
 def describe_host() -> Dict[str, Any]:
@@ -108,7 +124,7 @@ def probe_cuda_group(
     topo = given if given is not None else probe()
     if topo is None:
         return GroupTopology(table_key="flat", island_of=[], detail="nvidia-smi unavailable: flat",
-                             devices=names, driver=f"cuda {torch.version.cuda}")
+                             devices=names, driver=policy.driver_field(None, torch.version.cuda))
     result = _group_topology(topo, everyone, world)
     result.devices, result.driver = names, driver_version()
     return result
@@ -133,9 +149,8 @@ def _group_topology(topo: Any, everyone: List[Dict[str, str]], world: int) -> Gr
             detail=f"ranks {a} and {b} are NVLink-connected; the engine's own custom all-reduce "
             "is faster there",
         )
-    several = len(group_topo.islands()) > 1
     return GroupTopology(
         table_key=group_topo.table_key(),
-        island_of=group_topo.island_of() if several else [],
+        island_of=policy.islands_for_table(group_topo),
         links=group_topo.fingerprint(),
     )

@@ -14,7 +14,7 @@ latency measurement). It covers:
   (b) CUDA-graph capture (inside ar.capture()) of three calls (three dtypes), replayed 100
       times with new inputs written before each replay, every replay checked (a flag and an
       LL table at world 2, the flag one at world 4);
-  (c) the automatic switch: the P2P write-and-verify (PcieAllReduce._broken_pairs) faked to
+  (c) the automatic switch: the P2P write-and-verify (construction.Builder.broken_pairs) faked to
       report rank 0 -> rank 1 broken; the default transport ("auto") moves to host memory and
       works, transport="p2p" declines no_p2p instead;
   (d) world 2 only: the timeout path (rank 1 withholds its call; rank 0 raises
@@ -172,18 +172,20 @@ def graph_replay(rank: int, world: int, dev: torch.device, cls: Any, label: str)
 
 def automatic_switch(rank: int, world: int, dev: torch.device, cls: Any) -> List[str]:
     """(c): a failed P2P check moves the default transport to host memory; "p2p" declines."""
-    lines = []
-    real: Callable[[Any], Any] = cls._broken_pairs
+    from pcie_allreduce.construction import Builder
 
-    def broken_once(self: Any) -> Any:
+    lines = []
+    real: Callable[[Any, Any], Any] = Builder.broken_pairs
+
+    def broken_once(self: Any, comm: Any) -> Any:
         # The first write-and-verify (peer-to-peer) reports rank 0 -> rank 1 broken; any later
         # one (the check over host memory after the switch) is the real one.
         if getattr(self, "_hostmem_check_broke", False):
-            return real(self)
+            return real(self, comm)
         self._hostmem_check_broke = True
         return [(0, 1)]
 
-    cls._broken_pairs = broken_once
+    Builder.broken_pairs = broken_once
     try:
         table = TABLES["oneshot/push/staged"]
         with cls(None, dev, max_numel=1 << 14, table=table, timeout_s=30) as ar:
@@ -209,7 +211,7 @@ def automatic_switch(rank: int, world: int, dev: torch.device, cls: Any) -> List
             check(out, world, 4096, "bf16", seed=301)
             lines.append(f"PASS transport p2p declines: {reason}")
     finally:
-        cls._broken_pairs = real
+        Builder.broken_pairs = real
     return lines
 
 

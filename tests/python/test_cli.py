@@ -73,7 +73,7 @@ def test_bench_on_the_host_transport_verifies_and_prints_the_table(tmp_path):
     assert all(r["wrong"] == 0 for r in result["rows"])
     assert all(r["fallback_us"] > 0 and r["time_us"] > 0 for r in result["rows"])
     assert "verified" in done.stdout
-    assert "# communicator transport: host (CPU tensors: every workspace in POSIX shared " \
+    assert "# communicator transport: host_shm (CPU tensors: every workspace in POSIX shared " \
         "memory)" in done.stdout
 
 
@@ -107,7 +107,7 @@ def test_tune_writes_the_cache_and_a_second_run_measures_nothing(tmp_path):
     args = ("tune", "--transport", "host", "--world", "2", "--max-bytes", "4K", "--budget", "8")
     first = run_cli_env(env, *args, "--json", str(report))
     assert first.returncode == 0, first.stdout + first.stderr
-    written = list(tmp_path.glob("host-w2-*.csv"))
+    written = list(tmp_path.glob("host_shm-w2-*.csv"))
     assert len(written) == 1 and f"# wrote {written[0]}" in first.stdout
     data = json.loads(report.read_text())
     assert data["status"] == "tuned" and data["measured"] > 0

@@ -16,7 +16,12 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from pcie_allreduce import _C, doctor, tuning
+from pcie_allreduce import _C, plan, policy
+from pcie_allreduce.tools import doctor
+from pcie_allreduce.tools.doctor import (host_transport, inventory, iommu, p2p, system, tables,
+                                         verdict)
+from pcie_allreduce.topology import host_devices
+from pcie_allreduce.tuning import cache
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "doctor"
 CORPUS = Path(__file__).resolve().parents[1] / "fuzz" / "corpus" / "fuzz_nvidia_smi_topo"
@@ -82,8 +87,8 @@ def test_two_socket_pcie_host_can_run_with_island_algorithms(capsys):
     assert {"island_oneshot", "island_twoshot"} <= set(report["tactics"]["available"])
     assert report["iommu"]["mode"] == "passthrough" and report["iommu"]["hints"] == []
     assert report["declines"] == []
-    assert report["transport"]["name"] == "cuda" and report["transport"]["mode"] == "auto"
-    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda-w8-")
+    assert report["transport"]["name"] == "cuda_ipc" and report["transport"]["mode"] == "auto"
+    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda_ipc-w8-")
     verdict = report["verdict"]
     assert verdict.startswith("pcie_allreduce can run here: ")
     assert "islands-2x4" in verdict and "2 islands of 4" in verdict and "56 pairs" in verdict
@@ -109,9 +114,9 @@ def test_failing_p2p_pairs_decline_no_p2p_with_transport_p2p(capsys, tmp_path):
     assert failed == {tuple(p) for p in recorded}
     assert [d["reason"] for d in report["declines"]] == ["no_p2p"]
     assert report["verdict"].startswith("pcie_allreduce cannot run here")
-    assert "PCIE_ALLREDUCE_TRANSPORT=p2p" in report["verdict"]
-    assert report["transport"]["name"] == "cuda" and report["transport"]["mode"] == "p2p"
-    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda-w4-")
+    assert "PCIE_ALLREDUCE_TRANSPORT=cuda_ipc" in report["verdict"]
+    assert report["transport"]["name"] == "cuda_ipc" and report["transport"]["mode"] == "cuda_ipc"
+    assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda_ipc-w4-")
     for writer, reader in recorded:
         assert f"GPU{writer} -> GPU{reader}" in report["verdict"]
     assert "GPU0 -> GPU1" not in report["verdict"]  # the pair behind one switch works
@@ -183,7 +188,7 @@ def test_text_mode_prints_sections_and_the_verdict_last(capsys, tmp_path):
     code, out, _ = run_doctor(
         capsys, "--fixture", str(fixture_with_transport("p2p_blocked_4gpu", tmp_path, "p2p")))
     assert code == 1
-    assert "\nTransport\n  cuda (mode p2p): P2P failed on" in out
+    assert "\nTransport\n  cuda_ipc (mode cuda_ipc): P2P failed on" in out
     assert out.rstrip("\n").splitlines()[-1].startswith("verdict: pcie_allreduce cannot run here")
 
 
@@ -193,10 +198,10 @@ def test_forced_host_memory_uses_cuda_host_even_where_p2p_works(capsys, tmp_path
     assert code == 0 and report["ok"] is True and report["declines"] == []
     assert report["p2p"]["status"] == "ok"
     assert report["transport"]["name"] == "cuda_host"
-    assert report["transport"]["mode"] == "hostmem"
+    assert report["transport"]["mode"] == "cuda_host"
     assert "forced" in report["transport"]["detail"]
     verdict = report["verdict"]
-    assert "transport cuda_host" in verdict and "forced by PCIE_ALLREDUCE_TRANSPORT=hostmem" \
+    assert "transport cuda_host" in verdict and "forced by PCIE_ALLREDUCE_TRANSPORT=cuda_host" \
         in verdict
     assert "slower per call than P2P" in verdict and "island_twoshot" in verdict
     assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda_host-w8-")
@@ -206,7 +211,7 @@ def test_forced_host_memory_uses_cuda_host_even_where_p2p_works(capsys, tmp_path
     code, report = run_json(capsys, "--fixture", str(fixture))
     assert code == 0 and report["declines"] == []
     assert report["transport"]["name"] == "cuda_host"
-    assert "forced by PCIE_ALLREDUCE_TRANSPORT=hostmem" in report["verdict"]
+    assert "forced by PCIE_ALLREDUCE_TRANSPORT=cuda_host" in report["verdict"]
 
 
 def test_a_bad_transport_setting_blocks_because_communicators_raise(capsys, tmp_path):
@@ -220,17 +225,17 @@ def test_a_bad_transport_setting_blocks_because_communicators_raise(capsys, tmp_
     fixture = fixture_with_transport("no_gpu", tmp_path / "cpu", "nvlink-please")
     code, report = run_json(capsys, "--fixture", str(fixture))
     assert code == 1 and "nvlink-please" in report["verdict"]
-    assert report["transport"]["name"] == "host"
+    assert report["transport"]["name"] == "host_shm"
 
 
 def test_the_live_system_reads_the_transport_from_the_environment(monkeypatch):
-    assert doctor.transport_mode(doctor.LiveSystem().env) == ("auto", None)
+    assert verdict.transport_mode(system.LiveSystem().env) == ("auto", None)
     monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", " P2P ")
-    assert doctor.transport_mode(doctor.LiveSystem().env) == ("p2p", None)
+    assert verdict.transport_mode(system.LiveSystem().env) == ("cuda_ipc", None)
     monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", "hostmem")
-    assert doctor.transport_mode(doctor.LiveSystem().env) == ("hostmem", None)
+    assert verdict.transport_mode(system.LiveSystem().env) == ("cuda_host", None)
     monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", "ipc")
-    mode, error = doctor.transport_mode(doctor.LiveSystem().env)
+    mode, error = verdict.transport_mode(system.LiveSystem().env)
     assert error is not None and "'ipc'" in error
 
 
@@ -267,7 +272,7 @@ def test_other_recorded_topologies_agree_with_the_topology_object(capsys, tmp_pa
     assert report["topology"]["table_key"] == topo.table_key()
     assert report["topology"]["islands"] == [list(i) for i in topo.islands()]
     island_of = list(topo.island_of()) if len(topo.islands()) > 1 else []
-    expect = [a for a in doctor.plan_mod.ALGORITHMS
+    expect = [a for a in plan.ALGORITHMS
               if _C.why_unsupported(a, topo.world, island_of) is None]
     assert report["tactics"]["available"] == expect
     assert report["gpus"]["problems"]  # no query_gpu.csv: names unknown, said so
@@ -289,7 +294,7 @@ def test_more_than_eight_gpus_can_run_in_groups_of_eight(capsys, tmp_path):
                for a in range(16)]
     fixture = tmp_path / "host"
     fixture.mkdir()
-    (fixture / "nvidia_smi_topo.txt").write_text(doctor.topo_text_from_classes(classes))
+    (fixture / "nvidia_smi_topo.txt").write_text(inventory.topo_text_from_classes(classes))
     (fixture / "p2p.json").write_text('{"failing": []}')
     code, report = run_json(capsys, "--fixture", str(fixture))
     assert code == 0 and report["gpus"]["count"] == 16
@@ -339,29 +344,29 @@ def test_bad_fixture_directory_is_a_usage_error(capsys, tmp_path, setup, message
 def write_valid_cache(path: Path, fp: str, fields: Dict[str, Any]) -> None:
     rows = "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads\n" \
         "*,*,*,0,*,fallback,,,,\n"
-    tuning.write_cache(path, fp, fields, rows, measured=1)
+    cache.write_cache(path, fp, fields, rows, measured=1)
 
 
 def test_host_cache_report_tells_valid_foreign_and_corrupt(private_cache):
-    devices = tuning.host_devices()
+    devices = host_devices()
 
     def fields(world: int) -> Dict[str, Any]:
-        return tuning.fingerprint_fields("host", world, "host", [], devices, "")
+        return policy.fingerprint_fields("host", world, "host", [], devices, "")
 
-    valid_fp = tuning.fingerprint(fields(2))
-    write_valid_cache(tuning.cache_path(valid_fp), valid_fp, fields(2))
-    corrupt_fp = tuning.fingerprint(fields(4))
-    corrupt = tuning.cache_path(corrupt_fp)
+    valid_fp = policy.fingerprint(fields(2))
+    write_valid_cache(cache.cache_path(valid_fp), valid_fp, fields(2))
+    corrupt_fp = policy.fingerprint(fields(4))
+    corrupt = cache.cache_path(corrupt_fp)
     write_valid_cache(corrupt, corrupt_fp, fields(4))
     corrupt.write_text(corrupt.read_text().replace("fallback", "fallbacc"))
-    other = tuning.fingerprint_fields("host", 3, "host", [], ["another CPU"], "")
-    foreign = private_cache / "host-w3-000000000000.csv"
-    write_valid_cache(foreign, tuning.fingerprint(other), other)
+    other = policy.fingerprint_fields("host", 3, "host", [], ["another CPU"], "")
+    foreign = private_cache / "host_shm-w3-000000000000.csv"
+    write_valid_cache(foreign, policy.fingerprint(other), other)
 
-    table = doctor.table_report(doctor.LiveSystem(), None)
+    table = tables.table_report(system.LiveSystem(), None)
     status = {c["world"]: c["status"] for c in table["host_caches"]}
     assert status == {2: "valid", 3: "foreign", 4: "corrupt"}
-    assert str(tuning.cache_path(valid_fp)) in table["in_use"]
+    assert str(cache.cache_path(valid_fp)) in table["in_use"]
     assert "checksum" in next(c["problem"] for c in table["host_caches"] if c["world"] == 4)
 
 
@@ -376,9 +381,9 @@ def test_gpu_cache_on_host_memory_is_the_cuda_host_one(capsys, tmp_path, name, t
     driver = f"driver {lines[0].split(', ')[-1]}, cuda {torch.version.cuda}"
     topo = _C.Topology.from_nvidia_smi((fixture / "nvidia_smi_topo.txt").read_text())
     island_of = list(topo.island_of()) if len(topo.islands()) > 1 else []
-    fields = tuning.fingerprint_fields("cuda_host", topo.world, "hostmem", island_of, names,
+    fields = policy.fingerprint_fields("cuda_host", topo.world, "hostmem", island_of, names,
                                        driver, topo.subset(list(range(topo.world))).fingerprint())
-    fp = tuning.fingerprint(fields)
+    fp = policy.fingerprint(fields)
     _, before = run_json(capsys, "--fixture", str(fixture))
     assert before["table"]["gpu_cache"] == {
         "fingerprint": fp, "path": str(fixture / "cache" / f"{fp}.csv"), "status": "missing"}
@@ -397,9 +402,9 @@ def test_gpu_cache_for_this_host_is_found_by_its_fingerprint(capsys, tmp_path):
     # The communicator's links field: its group's subset of the host topology.
     topo = _C.Topology.from_nvidia_smi((fixture / "nvidia_smi_topo.txt").read_text())
     links = topo.subset(list(range(8))).fingerprint()
-    fields = tuning.fingerprint_fields("cuda", 8, "islands-2x4", [0] * 4 + [1] * 4, names, driver,
+    fields = policy.fingerprint_fields("cuda", 8, "islands-2x4", [0] * 4 + [1] * 4, names, driver,
                                        links)
-    fp = tuning.fingerprint(fields)
+    fp = policy.fingerprint(fields)
     _, before = run_json(capsys, "--fixture", str(fixture))
     assert before["table"]["gpu_cache"] == {
         "fingerprint": fp, "path": str(fixture / "cache" / f"{fp}.csv"), "status": "missing"}
@@ -430,7 +435,7 @@ def test_table_from_the_environment_is_parsed(capsys, tmp_path):
 # ---------------------------------------------------------------------------- P2P test
 
 
-class RunnableFixture(doctor.FixtureSystem):
+class RunnableFixture(system.FixtureSystem):
     """A recorded host on which the doctor may 'run' its P2P test (with a fake runner)."""
 
     def can_run_tests(self) -> bool:
@@ -445,21 +450,21 @@ def no_p2p_reason(pairs: List[tuple[int, int]]) -> str:
 
 
 def fake_runner(result: Optional[Dict[str, Any]], calls: List[int], returncode: int = 0,
-                timed_out: bool = False, noise: str = "") -> doctor.P2PRunner:
-    def runner(world: int, timeout_s: float) -> doctor.RunResult:
+                timed_out: bool = False, noise: str = "") -> p2p.P2PRunner:
+    def runner(world: int, timeout_s: float) -> system.RunResult:
         calls.append(world)
         out = noise
         if result is not None:
-            out += doctor.P2P_RESULT_TAG + json.dumps(result) + "\n"
-        return doctor.RunResult(None if timed_out else returncode, out, timed_out)
+            out += p2p.P2P_RESULT_TAG + json.dumps(result) + "\n"
+        return system.RunResult(None if timed_out else returncode, out, timed_out)
     return runner
 
 
-def p2p_host(tmp_path: Path) -> tuple[RunnableFixture, doctor.Inventory]:
+def p2p_host(tmp_path: Path) -> tuple[RunnableFixture, inventory.Inventory]:
     fixture = copy_fixture("two_socket_8gpu", tmp_path)
     (fixture / "p2p.json").unlink()
     system = RunnableFixture(fixture)
-    inv = doctor.gather_inventory(system)
+    inv = inventory.gather_inventory(system)
     assert inv is not None
     return system, inv
 
@@ -470,7 +475,7 @@ def test_p2p_failures_are_parsed_per_pair_and_cached(tmp_path):
     calls: List[int] = []
     runner = fake_runner({"enabled": False, "reason": no_p2p_reason(broken)}, calls,
                          noise="warming up\n")
-    first = doctor.check_p2p(system, inv, skip=False, runner=runner)
+    first = p2p.check_p2p(system, inv, skip=False, runner=runner)
     assert calls == [8] and first["source"] == "test"
     assert first["status"] == "failed"
     assert sorted(map(tuple, first["failing"])) == sorted(broken)
@@ -479,16 +484,16 @@ def test_p2p_failures_are_parsed_per_pair_and_cached(tmp_path):
     cache_file = Path(first["cache_file"])
     assert cache_file.parent == system.cache_dir() and cache_file.name.startswith("p2p-")
 
-    again = doctor.check_p2p(system, inv, skip=True, runner=fake_runner(None, calls))
+    again = p2p.check_p2p(system, inv, skip=True, runner=fake_runner(None, calls))
     assert calls == [8]  # not run again
     assert again["source"] == "cached" and again["failing"] == first["failing"]
-    table = doctor.table_report(system, inv)
-    tactics = doctor.tactic_report(8, inv.island_of)
-    p2p_only = doctor.transport_report(inv, again, "p2p")
-    ok, text, declines = doctor.gpu_verdict(inv, again, table, tactics, p2p_only)
+    table = tables.table_report(system, inv)
+    tactics = verdict.tactic_report(8, inv.island_of)
+    p2p_only = verdict.transport_report(inv, again, "p2p")
+    ok, text, declines = verdict.gpu_verdict(inv, again, table, tactics, p2p_only)
     assert ok is False and "GPU1 -> GPU5" in text and [d["reason"] for d in declines] == [
         "no_p2p"]
-    ok, text, declines = doctor.gpu_verdict(inv, again, table, tactics)  # auto
+    ok, text, declines = verdict.gpu_verdict(inv, again, table, tactics)  # auto
     assert ok is True and "GPU1 -> GPU5" in text and "cuda_host" in text and declines == []
 
 
@@ -496,18 +501,18 @@ def test_p2p_cache_is_keyed_by_driver_bus_ids_and_names(tmp_path):
     system, inv = p2p_host(tmp_path)
     buses = [g["bus_id"] for g in inv.gpus]
     names = [g["name"] for g in inv.gpus]
-    key = doctor.p2p_cache_key(inv.driver, buses, names)
-    assert doctor.p2p_cache_key(inv.driver, list(reversed(buses)), names) == key  # sorted
-    assert doctor.p2p_cache_key("999.1", buses, names) != key
-    assert doctor.p2p_cache_key(inv.driver, buses, ["other"] * 8) != key
-    assert doctor.p2p_cache_file(system.cache_dir(), inv).name == f"p2p-{key}.json"
+    key = p2p.p2p_cache_key(inv.driver, buses, names)
+    assert p2p.p2p_cache_key(inv.driver, list(reversed(buses)), names) == key  # sorted
+    assert p2p.p2p_cache_key("999.1", buses, names) != key
+    assert p2p.p2p_cache_key(inv.driver, buses, ["other"] * 8) != key
+    assert p2p.p2p_cache_file(system.cache_dir(), inv).name == f"p2p-{key}.json"
 
 
 def test_a_full_list_of_eight_failures_marks_other_pairs_unverified(tmp_path):
     system, inv = p2p_host(tmp_path)
     broken = [(s, d) for s in range(4) for d in range(4, 8)][:9]
     runner = fake_runner({"enabled": False, "reason": no_p2p_reason(broken)}, [])
-    result = doctor.check_p2p(system, inv, skip=False, runner=runner)
+    result = p2p.check_p2p(system, inv, skip=False, runner=runner)
     assert result["truncated"] is True and len(result["failing"]) == 8
     statuses = {p["status"] for p in result["pairs"]}
     assert statuses == {"failed", "unverified"}
@@ -516,7 +521,7 @@ def test_a_full_list_of_eight_failures_marks_other_pairs_unverified(tmp_path):
 def test_all_pairs_ok_is_cached_and_counted(tmp_path):
     system, inv = p2p_host(tmp_path)
     calls: List[int] = []
-    result = doctor.check_p2p(system, inv, skip=False,
+    result = p2p.check_p2p(system, inv, skip=False,
                               runner=fake_runner({"enabled": True, "reason": None}, calls))
     assert result["status"] == "ok" and len(result["pairs"]) == 56
     assert all(p["status"] == "ok" for p in result["pairs"])
@@ -533,20 +538,20 @@ def test_a_failed_p2p_test_is_reported_and_never_cached(tmp_path, kind):
         "rank_error": fake_runner({"error": "rank 3: RuntimeError: CUDA error"}, calls, 1),
         "other_reason": fake_runner({"enabled": False, "reason": "multi_host: ..."}, calls),
     }[kind]
-    result = doctor.check_p2p(system, inv, skip=False, runner=runner, timeout_s=7)
+    result = p2p.check_p2p(system, inv, skip=False, runner=runner, timeout_s=7)
     expect = {"crash": "Segmentation fault", "timeout": "within 7 s",
               "rank_error": "CUDA error", "other_reason": "multi_host"}[kind]
     assert expect in result["detail"]
     assert result["status"] == ("inconclusive" if kind == "other_reason" else "error")
     assert not Path(result["cache_file"]).exists()
-    declines = doctor.gpu_declines(inv, result)
+    declines = verdict.gpu_declines(inv, result)
     assert [d["reason"] for d in declines] == ([] if kind == "other_reason" else ["no_p2p"])
-    assert doctor.gpu_declines(inv, result, "hostmem") == []  # P2P is never tried there
+    assert verdict.gpu_declines(inv, result, "hostmem") == []  # P2P is never tried there
 
 
 @pytest.mark.parametrize("transport, ok, name, declines", [
     ("auto", True, "cuda_host", []),
-    ("p2p", False, "cuda", ["no_p2p"]),
+    ("p2p", False, "cuda_ipc", ["no_p2p"]),
     ("hostmem", True, "cuda_host", []),
 ])
 def test_a_tested_p2p_failure_leads_where_the_transport_setting_says(
@@ -582,7 +587,7 @@ def test_the_p2p_subprocess_tests_peer_to_peer_whatever_the_environment(monkeypa
         def __init__(self, group: Any, device: Any, **kwargs: Any) -> None:
             made.append(kwargs)
             mode = kwargs.get("transport") or os.environ.get("PCIE_ALLREDUCE_TRANSPORT", "auto")
-            self.enabled = mode != "p2p"  # auto and hostmem run over host memory
+            self.enabled = mode != "cuda_ipc"  # auto and hostmem run over host memory
             self.disabled_reason = None if self.enabled else no_p2p_reason([(0, 1), (1, 0)])
 
         def destroy(self) -> None:
@@ -598,22 +603,31 @@ def test_the_p2p_subprocess_tests_peer_to_peer_whatever_the_environment(monkeypa
         else:
             monkeypatch.setenv("PCIE_ALLREDUCE_TRANSPORT", env)
         queue = _FakeQueue()
-        doctor._p2p_rank(0, 2, "/nonexistent/rendezvous", 5.0, queue)
-        assert made[-1]["transport"] == "p2p"
+        p2p._p2p_rank(0, 2, "/nonexistent/rendezvous", 5.0, queue)
+        assert made[-1]["transport"] == "cuda_ipc"
         assert queue == [{"enabled": False, "reason": no_p2p_reason([(0, 1), (1, 0)])}]
-        out = doctor.P2P_RESULT_TAG + json.dumps(queue[0]) + "\n"
-        result = doctor.interpret_p2p_run(2, doctor.RunResult(0, out), 5.0)
+        out = p2p.P2P_RESULT_TAG + json.dumps(queue[0]) + "\n"
+        result = p2p.interpret_p2p_run(2, system.RunResult(0, out), 5.0)
         assert result["status"] == "failed" and result["failing"] == [[0, 1], [1, 0]]
 
 
 def test_p2p_subprocess_sees_every_gpu_in_bus_order_with_the_backend_on():
-    env = doctor.probe_env({"CUDA_VISIBLE_DEVICES": "1", "PCIE_ALLREDUCE_ENABLE": "0",
+    env = system.probe_env({"CUDA_VISIBLE_DEVICES": "1", "PCIE_ALLREDUCE_ENABLE": "0",
                             "PCIE_ALLREDUCE_TABLE": "x.csv", "PATH": "/bin",
                             "PCIE_ALLREDUCE_TRANSPORT": "bogus"})
     assert env == {"PATH": "/bin", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    argv = doctor.p2p_probe_command(4, 30.0)
+    argv = p2p.p2p_probe_command(4, 30.0)
     assert argv[0] == sys.executable and argv[-2:] == ["4", "30.0"]
     compile(argv[2], "<p2p probe>", "exec")
+
+
+def test_the_p2p_subprocess_command_imports_a_function_that_exists():
+    import importlib
+    import re
+
+    code = p2p.p2p_probe_command(2, 1.0)[2]
+    module, name = re.search(r"from (\S+) import (\w+);", code).groups()
+    assert callable(getattr(importlib.import_module(module), name))
 
 
 def _dead(pid: int) -> bool:
@@ -626,7 +640,7 @@ def _dead(pid: int) -> bool:
 
 def test_a_hung_subprocess_is_killed_with_everything_it_started():
     start = time.monotonic()
-    result = doctor.run_bounded(["sh", "-c", "sleep 60 & echo $!; wait"], 1.0, os.environ)
+    result = system.run_bounded(["sh", "-c", "sleep 60 & echo $!; wait"], 1.0, os.environ)
     assert result.timed_out and result.returncode is None
     assert time.monotonic() - start < 10
     grandchild = int(result.output.split()[0])
@@ -673,7 +687,7 @@ def test_nvml_inventory_builds_the_same_topology_nvidia_smi_would():
     levels = [[0 if a == b else (phb if a // 2 == b // 2 else sys_) for b in range(4)]
               for a in range(4)]
     levels[0][1] = levels[1][0] = node
-    raw = doctor.nvml_inventory(fake_nvml(levels, {}))
+    raw = inventory.nvml_inventory(fake_nvml(levels, {}))
     assert raw.driver == "570.86.15" and raw.bus_ids[1] == "0000:38:00.0"
     topo = _C.Topology.from_nvidia_smi(raw.topo_text)
     assert topo.islands() == [[0, 1], [2, 3]] and topo.table_key() == "islands-2x2"
@@ -683,11 +697,11 @@ def test_nvml_inventory_builds_the_same_topology_nvidia_smi_would():
 def test_nvml_nvlink_pairs_and_nvswitch_links_become_nv_classes():
     levels = [[0 if a == b else 50 for b in range(4)] for a in range(4)]
     bus = lambda i: f"00000000:{0x18 + 0x20 * i:02X}:00.0"  # noqa: E731
-    direct = doctor.nvml_inventory(fake_nvml(levels, {0: [bus(1)] * 2, 1: [bus(0)] * 2}))
+    direct = inventory.nvml_inventory(fake_nvml(levels, {0: [bus(1)] * 2, 1: [bus(0)] * 2}))
     topo = _C.Topology.from_nvidia_smi(direct.topo_text)
     assert topo.nvlink_pairs() == [(0, 1)] and topo.link(2, 3) == "SYS"
     switch = "00000000:C5:00.0"  # an NVSwitch, not a GPU
-    via_switch = doctor.nvml_inventory(fake_nvml(levels, {i: [switch] * 3 for i in range(4)}))
+    via_switch = inventory.nvml_inventory(fake_nvml(levels, {i: [switch] * 3 for i in range(4)}))
     topo = _C.Topology.from_nvidia_smi(via_switch.topo_text)
     assert len(topo.nvlink_pairs()) == 6 and topo.table_key() == "nvlink"
 
@@ -707,7 +721,7 @@ def test_nvml_nvlink_pairs_and_nvswitch_links_become_nv_classes():
     (None, None, "unknown"),
 ])
 def test_iommu_mode_from_cmdline_and_group_types(cmdline, groups, mode):
-    assert doctor.iommu_mode(cmdline, groups)[0] == mode
+    assert iommu.iommu_mode(cmdline, groups)[0] == mode
 
 
 def test_iommu_hint_is_a_hint_not_a_failure(capsys, tmp_path):
@@ -725,20 +739,21 @@ def test_iommu_hint_is_a_hint_not_a_failure(capsys, tmp_path):
     ("0000:41:00.0", "0000:41:00.0"),
 ])
 def test_bus_ids_are_spelled_as_sysfs_spells_them(given, sysfs):
-    assert doctor.sysfs_bus_id(given) == sysfs
+    assert system.sysfs_bus_id(given) == sysfs
 
 
 def test_host_bench_result_must_show_the_kernels_ran():
     ok = json.dumps({"rows": [{"tactic": "oneshot/push"}], "stats": {"enabled": True}})
     off = json.dumps({"rows": [{"tactic": "fallback"}],
                       "stats": {"enabled": False, "disabled_reason": "disabled: shm"}})
-    assert doctor.interpret_host_run(doctor.RunResult(0, ""), ok, 60)["status"] == "ok"
-    result = doctor.interpret_host_run(doctor.RunResult(0, ""), off, 60)
+    assert host_transport.interpret_host_run(system.RunResult(0, ""), ok, 60)["status"] == "ok"
+    result = host_transport.interpret_host_run(system.RunResult(0, ""), off, 60)
     assert result["status"] == "failed" and "disabled: shm" in result["detail"]
-    crashed = doctor.interpret_host_run(doctor.RunResult(1, "a\nb\nranks [1] failed\n"), None, 60)
+    crashed = host_transport.interpret_host_run(
+        system.RunResult(1, "a\nb\nranks [1] failed\n"), None, 60)
     assert crashed["status"] == "failed" and "ranks [1] failed" in crashed["detail"]
-    assert "within 60 s" in doctor.interpret_host_run(
-        doctor.RunResult(None, "", timed_out=True), None, 60)["detail"]
+    assert "within 60 s" in host_transport.interpret_host_run(
+        system.RunResult(None, "", timed_out=True), None, 60)["detail"]
 
 
 # ---------------------------------------------------------------------------- this machine

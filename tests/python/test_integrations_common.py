@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import run_ranks
+from pcie_allreduce import policy
 from pcie_allreduce.integrations import common
 
 
@@ -36,7 +37,7 @@ def test_sizing_explicit_env_wins_then_derived_then_an_announced_guess(monkeypat
         == 304  # 300 rounded up to whole 8-element groups
     with caplog.at_level(logging.WARNING, logger="pcie_allreduce"):
         s = common.size_workspace("sglang", max_bs=None, draft_tokens=None, hidden=4096)
-    assert s.guessed and s.max_numel == common.DEFAULT_ROWS * 4096
+    assert s.guessed and s.max_numel == policy.DEFAULT_ROWS * 4096
     assert "could not read the decode max batch" in caplog.text and "sglang" in caplog.text
 
 

@@ -127,10 +127,10 @@ def test_enable_unset_means_library_on_integrations_off_and_1_means_both_on():
 
 # --------------------------------------------------------------------- multi-host groups
 def _two_hosts(rank, world):
-    from pcie_allreduce import PcieAllReduce, communicator
+    from pcie_allreduce import PcieAllReduce, construction
 
     if rank == 1:
-        communicator.host_identity = lambda: "other-node/6f1c"
+        construction.host_identity = lambda: "other-node/6f1c"
     ar = PcieAllReduce(None, "cpu", max_numel=4096)
     x = torch.full((1024,), float(rank + 1))
     result = (ar.enabled, ar.disabled_reason, ar.all_reduce(x)[0].item(), ar.workspace_bytes)
@@ -255,7 +255,8 @@ def test_bad_constructor_arguments_say_what_was_wrong_and_what_was_expected(tmp_
         "table_blocks_overflow": "column blocks must be an integer in 1..2147483647, got "
         "'2147483648' (out of range)",
         "table_world_overflow": "column world must be an integer in",
-        "transport_unknown": "transport must be one of auto, p2p, hostmem, got 'nvlink'",
+        "transport_unknown": "transport must be one of auto, host_shm, cuda_ipc, cuda_host (or "
+        "host = host_shm, cuda = cuda_ipc, p2p = cuda_ipc, hostmem = cuda_host), got 'nvlink'",
         "transport_on_cpu": "transport='hostmem' chooses how GPUs reach each other; this "
         "communicator is on cpu (CPU tensors use POSIX shared memory): pass transport=None",
     }
@@ -270,6 +271,9 @@ def test_bad_constructor_arguments_say_what_was_wrong_and_what_was_expected(tmp_
         (["--min-bytes", "1", "--max-bytes", "15"], "no message size in --min-bytes 1"),
         (["--json", "/nonexistent/dir/out.json"], "does not exist or is not writable"),
         (["--table", "/nonexistent/table.csv"], "no such file"),
+        (["--transport", "nvlink"], "--transport must be one of auto, host_shm, cuda_ipc, "
+         "cuda_host (or host = host_shm, cuda = cuda_ipc, p2p = cuda_ipc, hostmem = cuda_host), "
+         "got 'nvlink'"),
     ],
 )
 def test_bench_rejects_bad_arguments_before_starting_any_rank(argv, fragment, capsys):

@@ -34,19 +34,19 @@ class _GpuStandIn:
         return getattr(self.inner, name)
 
     def connect(self, tokens: List[bytes]) -> None:
-        if self.transport == "cuda" and self.inject == "connect" and self.rank == 1:
+        if self.transport == "cuda_ipc" and self.inject == "connect" and self.rank == 1:
             raise RuntimeError(CONNECT_ERROR)
         self.inner.connect(tokens)
 
     def probe_read(self, nonce: int) -> List[int]:
-        if self.transport == "cuda" and self.inject == "probe" and self.rank == 1:
+        if self.transport == "cuda_ipc" and self.inject == "probe" and self.rank == 1:
             return [0]  # rank 0's writes did not arrive here
         return self.inner.probe_read(nonce)
 
 
 def _stand_in_for_gpus(rank: int, failure: str) -> List[str]:
     """Installs the stand-in in this rank process; returns the list of transports made."""
-    from pcie_allreduce import _C, communicator
+    from pcie_allreduce import _C, construction
 
     made: List[str] = []
     real = _C
@@ -57,9 +57,7 @@ def _stand_in_for_gpus(rank: int, failure: str) -> List[str]:
 
         @staticmethod
         def Communicator(opts: Any) -> Any:  # noqa: N802 (the name it replaces)
-            # Options.transport reads back canonical names; these tests speak the package's.
-            transport = {"cuda_ipc": "cuda"}.get(opts.transport, opts.transport)
-            device = opts.device
+            transport, device = opts.transport, opts.device
             made.append(transport)
             opts.transport, opts.device = "host", -1
             try:
@@ -72,7 +70,7 @@ def _stand_in_for_gpus(rank: int, failure: str) -> List[str]:
         def register_communicator(comm: Any) -> int:
             return real.register_communicator(getattr(comm, "inner", comm))
 
-    communicator._C = FakeC()
+    construction._C = FakeC()
     torch.cuda.get_device_name = lambda device=None: "Stand-in GPU"
     return made
 
@@ -86,8 +84,8 @@ def _construct(rank: int, world: int, failure: str, transport: Any = None,
                        transport=transport, timeout_s=20)
     out: Dict[str, Any] = {"made": list(made), "enabled": ar.enabled,
                            "reason": ar.disabled_reason, "stats": ar.stats(),
-                           "fingerprint": ar._fingerprint,
-                           "fields": dict(ar._fingerprint_fields)}
+                           "fingerprint": ar.config.fingerprint,
+                           "fields": dict(ar.config.fingerprint_fields)}
     x = torch.full((6144,), float(rank + 1), dtype=torch.bfloat16)  # 12 KiB: a decode size
     out["tactic"] = ar.chosen_tactic(x)
     if check_call:
@@ -101,7 +99,7 @@ def _construct(rank: int, world: int, failure: str, transport: Any = None,
 def test_a_failed_p2p_check_moves_every_rank_to_host_memory_and_says_why(clean_shm):
     results = run_ranks(_construct, 2, "probe").values()
     for r, res in enumerate(results):
-        assert res["made"] == ["cuda", "cuda_host"], r  # tried P2P, then host memory
+        assert res["made"] == ["cuda_ipc", "cuda_host"], r  # tried P2P, then host memory
         assert res["enabled"], res["reason"]
         assert res["stats"]["transport"] == "cuda_host"
         assert res["stats"]["transport_detail"] == (
@@ -109,7 +107,8 @@ def test_a_failed_p2p_check_moves_every_rank_to_host_memory_and_says_why(clean_s
             "workspace is in shared pinned host memory")
         assert res["stats"]["disabled_reason"] is None
         # Its own cache entry and its own table rows: the hostmem seed rows decide.
-        assert res["fields"]["transport"] == "cuda_host" and res["fields"]["topology"] == "hostmem"
+        assert res["fields"]["transport"] == "cuda_host" and \
+            res["fields"]["topology"] == "cuda_host"
         assert res["fingerprint"].startswith("cuda_host-w2-")
         assert res["tactic"].startswith("oneshot/push/unstaged/ll/b8/"), res["tactic"]
         assert res["correct"] and res["kernel_calls"] == 1
@@ -119,7 +118,7 @@ def test_a_failed_p2p_check_moves_every_rank_to_host_memory_and_says_why(clean_s
 def test_a_peer_that_cannot_map_p2p_memory_is_named_and_every_rank_switches(clean_shm):
     results = run_ranks(_construct, 2, "connect").values()
     for res in results:
-        assert res["made"] == ["cuda", "cuda_host"]
+        assert res["made"] == ["cuda_ipc", "cuda_host"]
         assert res["stats"]["transport"] == "cuda_host" and res["enabled"]
         assert res["stats"]["transport_detail"] == (
             f"peer-to-peer failed: rank 1 cannot map its peers' workspaces ({CONNECT_ERROR}); "
@@ -130,23 +129,23 @@ def test_a_peer_that_cannot_map_p2p_memory_is_named_and_every_rank_switches(clea
 def test_transport_p2p_declines_no_p2p_instead_and_stays_correct(clean_shm):
     results = run_ranks(_construct, 2, "probe", "p2p").values()
     for res in results:
-        assert res["made"] == ["cuda"]  # host memory was never tried
+        assert res["made"] == ["cuda_ipc"]  # host memory was never tried
         assert not res["enabled"]
         assert res["reason"] == (
             "no_p2p: peer writes did not arrive intact (rank 0 -> rank 1); check the IOMMU/ACS "
-            "settings of the PCIe path between those GPUs (transport p2p: host memory was not "
+            "settings of the PCIe path between those GPUs (transport cuda_ipc: host memory was not "
             "tried)")
-        assert res["stats"]["transport"] == "cuda"
+        assert res["stats"]["transport"] == "cuda_ipc"
         assert res["tactic"] == "fallback"
         assert res["correct"] and res["kernel_calls"] == 0  # the group's own all-reduce
 
 
 def test_working_p2p_stays_on_p2p(clean_shm):
     for res in run_ranks(_construct, 2, "none").values():
-        assert res["made"] == ["cuda"] and res["enabled"]
-        assert res["stats"]["transport"] == "cuda"
+        assert res["made"] == ["cuda_ipc"] and res["enabled"]
+        assert res["stats"]["transport"] == "cuda_ipc"
         assert res["stats"]["transport_detail"].startswith("peer-to-peer: every peer's GPU")
-        assert res["fingerprint"].startswith("cuda-w2-")
+        assert res["fingerprint"].startswith("cuda_ipc-w2-")
 
 
 @pytest.mark.parametrize("how", ["argument", "env"])
@@ -154,7 +153,8 @@ def test_hostmem_forces_host_memory_without_trying_p2p(how, clean_shm):
     env = {"PCIE_ALLREDUCE_TRANSPORT": "hostmem"} if how == "env" else {}
     results = run_ranks(_construct, 2, "probe", "hostmem" if how == "argument" else None,
                         env=env).values()
-    source = "transport='hostmem'" if how == "argument" else "PCIE_ALLREDUCE_TRANSPORT=hostmem"
+    source = ("transport='cuda_host'" if how == "argument"
+              else "PCIE_ALLREDUCE_TRANSPORT=cuda_host")
     for res in results:
         assert res["made"] == ["cuda_host"]  # the failing P2P probe never ran
         assert res["enabled"] and res["stats"]["transport"] == "cuda_host"
@@ -172,7 +172,7 @@ def test_ranks_that_disagree_on_the_transport_turn_the_backend_off_everywhere(cl
         assert not res["enabled"]
         # The first differing field names it: the transport, or the table key it implies.
         assert ("ranks disagree on transport" in res["reason"]
-                or "rank 0 has 'hostmem'" in res["reason"]), res["reason"]
+                or "rank 0 has 'cuda_host'" in res["reason"]), res["reason"]
         assert res["correct"]
 
 
@@ -181,18 +181,18 @@ def _cache_after_switch(rank: int, world: int, cache_dir: str) -> Dict[str, Any]
     host-memory fingerprint, then constructs again: the switch must adopt that cache."""
     import torch.distributed as dist
 
-    from pcie_allreduce import tuning
+    from pcie_allreduce.tuning import cache
 
     first = _construct(rank, world, "probe", check_call=False)
     if rank == 0:
         fp = first["fingerprint"]
         rows = ("topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
                 "threads,protocol\nhostmem,2,*,0,*,twoshot,push,0,2,64,flag\n")
-        tuning.write_cache(tuning.cache_path(fp), fp, first["fields"], rows, 1)
+        cache.write_cache(cache.cache_path(fp), fp, first["fields"], rows, 1)
     dist.barrier()
     second = _construct(rank, world, "probe")
     return {"first": first, "second": second,
-            "cache": str(tuning.cache_path(second["fingerprint"]))}
+            "cache": str(cache.cache_path(second["fingerprint"]))}
 
 
 def test_the_switch_reads_this_hosts_tuning_cache_for_host_memory(tmp_path, clean_shm):

@@ -68,7 +68,7 @@ def test_a_tune_writes_a_cache_the_next_communicator_loads_without_measuring(tmp
     # columns for every tuned bucket.
     assert {c["dtype"] for c in report["choices"]} == {"bf16", "fp16", "fp32"}
     rows = [line for line in text.splitlines()
-            if line.startswith("host,2,") and line.split(",")[2] != "*"]
+            if line.startswith("host_shm,2,") and line.split(",")[2] != "*"]
     assert len(rows) == len(report["choices"]) >= 9
     assert all(len(row.split(",")) == 16 for row in rows)
 
@@ -100,11 +100,12 @@ def _synthetic_costs(rank: int, seed: int):
 
 def _tune_twice(rank: int, world: int, cache_dir: str) -> List[Dict[str, Any]]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
-    from pcie_allreduce import PcieAllReduce, tuning
+    from pcie_allreduce import PcieAllReduce
+    from pcie_allreduce.tuning import tuner
 
     out = []
     for attempt in range(2):
-        tuning.synthetic_timer = _synthetic_costs(rank, attempt)
+        tuner.synthetic_timer = _synthetic_costs(rank, attempt)
         ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
         report = ar.tune(dtypes=["bf16"], force=True, max_bytes=8192, budget_s=20.0,
                            progress=False)
@@ -113,7 +114,7 @@ def _tune_twice(rank: int, world: int, cache_dir: str) -> List[Dict[str, Any]]:
                     "edges": [(c["min_bytes"], c["max_bytes"]) for c in report["choices"]],
                     "source": ar.stats()["table_source"]})
         ar.destroy()
-    tuning.synthetic_timer = None
+    tuner.synthetic_timer = None
     third = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
     cached = third.tune(**QUICK)
     # Bucket edges: min_bytes inclusive, max_bytes exclusive.
@@ -146,12 +147,13 @@ def test_two_tunes_of_one_host_choose_the_same_and_a_third_measures_nothing(tmp_
 
 def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> Dict[str, Any]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
-    from pcie_allreduce import PcieAllReduce, tuning
+    from pcie_allreduce import PcieAllReduce
+    from pcie_allreduce.tuning import cache, tuner
 
-    tuning.synthetic_timer = _synthetic_costs(rank, 0)
+    tuner.synthetic_timer = _synthetic_costs(rank, 0)
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
     ar.tune(dtypes=["bf16"], force=True, max_bytes=8192, budget_s=5.0, progress=False)
-    path = tuning.cache_path(ar.stats()["fingerprint"])
+    path = cache.cache_path(ar.stats()["fingerprint"])
     ar.destroy()
     if rank == 0:
         text = path.read_bytes()
@@ -161,7 +163,7 @@ def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> Dict[str, 
             path.write_bytes(text.replace(b"oneshot,pull", b"oneshot,push"))
         elif damage == "foreign":  # a whole, valid cache of another host, copied over
             rows = "host,4,*,0,*,twoshot,push,0,1,32\n"
-            tuning.write_cache(path, "host-w4-0123456789ab", {"devices": []}, rows, 1)
+            cache.write_cache(path, "host-w4-0123456789ab", {"devices": []}, rows, 1)
         elif damage == "binary":
             path.write_bytes(bytes(range(256)) * 4)
     import torch.distributed as dist
@@ -173,8 +175,8 @@ def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> Dict[str, 
                                torch.full((64,), 3.0)))
     retuned = reopened.tune(dtypes=["bf16"], max_bytes=8192, budget_s=5.0, progress=False)
     reopened.destroy()
-    tuning.synthetic_timer = None
-    found = tuning.read_cache(path, retuned and reopened.stats()["fingerprint"])
+    tuner.synthetic_timer = None
+    found = cache.read_cache(path, retuned and reopened.stats()["fingerprint"])
     return {"source": source, "sums_ok": sums_ok, "retuned": retuned["status"],
             "valid_after": found.text is not None}
 
@@ -213,24 +215,25 @@ def test_two_servers_tuning_one_host_at_once_measure_once_and_share_the_file(tmp
     statuses = sorted({(r["status"], r["measured"] > 0) for r in res})
     assert statuses == [("cached", False), ("tuned", True)], res
     assert len({r["path"] for r in res}) == 1
-    from pcie_allreduce import tuning
+    from pcie_allreduce.tuning import cache
 
     path = Path(res[0]["path"])
     fp = path.name[: -len(".csv")]
-    assert tuning.read_cache(path, fp).text is not None
+    assert cache.read_cache(path, fp).text is not None
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def _refused(rank: int, world: int, how: str) -> str:
-    from pcie_allreduce import PcieAllReduce, tuning
+    from pcie_allreduce import PcieAllReduce
     from pcie_allreduce.errors import TuneRefused
+    from pcie_allreduce.tuning import autotune_pass
 
     if how == "env" and rank == 1:
         os.environ["PCIE_ALLREDUCE_DISABLE_AUTOTUNE"] = "1"
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL, enabled=how != "disabled")
     try:
         if how == "nested" and rank == 1:
-            with tuning.autotune_pass("an engine warm-up"):
+            with autotune_pass("an engine warm-up"):
                 ar.tune(**QUICK)
         else:
             ar.tune(**QUICK)
@@ -256,9 +259,10 @@ def test_tune_refuses_on_every_rank_saying_why_and_measures_nothing(how, words, 
 
 def _table_disagreement(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
-    from pcie_allreduce import PcieAllReduce, tuning
+    from pcie_allreduce import PcieAllReduce
+    from pcie_allreduce.tuning import tuner
 
-    tuning.synthetic_timer = _synthetic_costs(rank, 0)
+    tuner.synthetic_timer = _synthetic_costs(rank, 0)
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
     ar.tune(dtypes=["bf16"], max_bytes=2048, budget_s=3.0, progress=False)
     ar.destroy()
@@ -278,7 +282,7 @@ def test_ranks_holding_different_tables_are_detected_and_stay_correct(tmp_path, 
 
 
 def test_buckets_cover_every_size_once_with_edges_on_16_bytes():
-    from pcie_allreduce.tuning import buckets
+    from pcie_allreduce.tuning.tuner import buckets
 
     got = buckets(65536)
     assert [b[1] for b in got] == [1024 << k for k in range(7)]
@@ -289,7 +293,7 @@ def test_buckets_cover_every_size_once_with_edges_on_16_bytes():
 
 
 def test_the_incumbent_stays_unless_beaten_by_more_than_the_noise():
-    from pcie_allreduce.tuning import keep_or_replace
+    from pcie_allreduce.tuning.decision import keep_or_replace
 
     inc = [10.0, 20.0, 10.0, 20.0, 10.0, 20.0]  # the machine's phases, shared by both
     assert keep_or_replace("a", {"a": inc, "b": [t * 0.98 for t in inc]})[0] == "a"
@@ -331,14 +335,14 @@ def _replace_table(rank: int, world: int) -> Dict[str, Any]:
     x = torch.ones(512, dtype=torch.bfloat16) * (rank + 1)
     before = ar.chosen_tactic(x)
     try:
-        ar._install_table("host,2,bf16,0,*,oneshot,sideways,0,1,32\n", "broken")
+        ar.install_table("host,2,bf16,0,*,oneshot,sideways,0,1,32\n", "broken")
         refused = ""
     except ValueError as error:
         refused = str(error)
     kept = (ar.chosen_tactic(x), ar.stats()["table_source"])
     # A first row the workspace cannot run (blocks above the host cap) is skipped; then the
     # wildcard row decides.
-    ar._install_table("host,2,bf16,0,*,twoshot,push,0,64,32\n*,*,*,0,*,twoshot,pull,1,2,32\n",
+    ar.install_table("host,2,bf16,0,*,twoshot,push,0,64,32\n*,*,*,0,*,twoshot,pull,1,2,32\n",
                       "replacement")
     after = ar.chosen_tactic(x)
     total = ar.all_reduce(x)
@@ -359,14 +363,15 @@ def test_the_cache_loader_never_raises_on_damaged_files(tmp_path):
     files. Every outcome is a usable table or a stated problem, never an exception."""
     import random
 
-    from pcie_allreduce import _C, tuning
+    from pcie_allreduce import _C
+    from pcie_allreduce.tuning import cache
 
     fp = "host-w2-0123456789ab"
     path = tmp_path / f"{fp}.csv"
     rows = "host,2,bf16,0,4096,oneshot,push,0,1,32,flag,1.0\nhost,2,*,4096,*,fallback,,,,\n"
-    tuning.write_cache(path, fp, {"devices": ["cpu"]}, rows, 2)
+    cache.write_cache(path, fp, {"devices": ["cpu"]}, rows, 2)
     good = path.read_bytes()
-    assert tuning.read_cache(path, fp).text is not None
+    assert cache.read_cache(path, fp).text is not None
     rng = random.Random(10)
     outcomes = set()
     for _ in range(600):
@@ -384,7 +389,7 @@ def test_the_cache_loader_never_raises_on_damaged_files(tmp_path):
                 del data[at:]
                 break
         path.write_bytes(bytes(data))
-        found = tuning.read_cache(path, fp)
+        found = cache.read_cache(path, fp)
         assert (found.text is None) != (found.problem is None) or bytes(data) == good
         if found.text is not None:
             _C.TuningTable.parse(found.text, "cache")  # a table it hands out always parses

@@ -7,18 +7,17 @@ configuration and pass plain values in.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from .. import env as env_mod
+from .. import policy
 from ..errors import TuneError, TuneRefused
 
 logger = logging.getLogger("pcie_allreduce")
 
 TP_GROUP_NAME = "tp"  # exactly the engines' tensor-parallel group; never attention_tp, moe_tp
-DEFAULT_ROWS = 64  # the guess when an engine's decode batch cannot be read
-DEFAULT_HIDDEN = 8192
 WARMUP_TUNE_BUDGET_S = 60.0  # a first start on a host without a cache measures this long
 
 
@@ -36,46 +35,34 @@ def ineligible(group_name: Optional[str], world_size: int) -> Optional[str]:
     return None
 
 
-@dataclass(frozen=True)
-class Sizing:
-    """The workspace size in elements and how it was found (for the one log line)."""
-
-    max_numel: int
-    how: str
-    guessed: bool = False
-
-
 def size_workspace(engine: str, *, max_bs: Optional[int], draft_tokens: Optional[int],
-                   hidden: Optional[int]) -> Sizing:
+                   hidden: Optional[int]) -> policy.Sizing:
     """PCIE_ALLREDUCE_MAX_NUMEL wins; else decode CUDA-graph max batch x draft tokens (1
-    without speculation) x hidden; else a guess, announced in one warning."""
-    explicit = env_mod.read_env().max_numel
-    if explicit is not None:
-        return Sizing(explicit, f"PCIE_ALLREDUCE_MAX_NUMEL={explicit}")
+    without speculation) x hidden; else a guess, announced in one warning. The numbers follow
+    ``policy.size_workspace``; ``how`` says it in the engine's terms."""
     draft = draft_tokens if draft_tokens and draft_tokens > 0 else 1
-    if max_bs and hidden and max_bs > 0 and hidden > 0:
-        numel = _round_up8(max_bs * draft * hidden)
-        return Sizing(numel, f"{engine}: decode max batch {max_bs} x {draft} token(s) x hidden "
-                      f"{hidden} = {numel} elements")
-    rows, width = DEFAULT_ROWS, hidden if hidden and hidden > 0 else DEFAULT_HIDDEN
-    numel = _round_up8(rows * width)
-    missing = " and ".join(n for n, v in (("the decode max batch", max_bs), ("the hidden size",
-                                                                             hidden)) if not v)
-    how = (f"{engine}: could not read {missing}; guessing {rows} rows x {width} hidden = {numel} "
-           "elements (set PCIE_ALLREDUCE_MAX_NUMEL to size it)")
-    logger.warning("pcie_allreduce: %s", how)
-    return Sizing(numel, how, guessed=True)
-
-
-def _round_up8(n: int) -> int:
-    return (int(n) + 7) // 8 * 8
+    width = hidden if hidden and hidden > 0 else None
+    rows = max_bs * draft if max_bs and max_bs > 0 and width else None
+    s = policy.size_workspace(from_env=env_mod.read_env().max_numel, hidden=width,
+                              max_rows=rows)
+    if s.source == "hidden x max_rows":
+        how = f"{engine}: decode max batch {max_bs} x {draft} token(s) per request: {s.how}"
+    elif s.guessed:
+        missing = " and ".join(n for n, v in (("the decode max batch", max_bs),
+                                              ("the hidden size", hidden)) if not v)
+        how = (f"{engine}: could not read {missing}; {s.how} (set PCIE_ALLREDUCE_MAX_NUMEL to "
+               "size it)")
+        logger.warning("pcie_allreduce: %s", how)
+    else:
+        how = s.how
+    return dataclasses.replace(s, how=how)
 
 
 def deterministic_table(transport: str) -> str:
     """One tactic for every admitted size: oneshot sums every rank's input in rank order for
     each element whatever the message size, so a token's logits do not depend on the batch it
     was decoded in. (Sizes above the workspace still go to the engine's NCCL path.)"""
-    blocks, threads = (1, 32) if transport == "host" else (8, 256)
+    blocks, threads = (1, 32) if policy.canonical(transport) == policy.HOST_SHM else (8, 256)
     return f"*,*,*,0,*,oneshot,push,0,{blocks},{threads}\n"
 
 

@@ -49,11 +49,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
-import torch
-
+from .. import policy
 from . import common
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("pcie_allreduce")
 
@@ -196,7 +198,11 @@ def _engine_autotune_disabled() -> bool:
 
 def _stream_capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream is being captured into a graph (never for the CPU)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device.type != "cuda":
+        return False
+    import torch  # loaded long before (SGLang's own); not at plugin import, which may stay off
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 # ---------------------------------------------------------------------------- the slot
@@ -206,6 +212,8 @@ class SglangPcieAllReduce:
     ``prepare``, ``destroy``) over one :class:`PcieAllReduce`, plus ``stats()``."""
 
     def __init__(self, coordinator: Any) -> None:
+        import torch
+
         self.group_name = common.TP_GROUP_NAME
         self.rank = int(coordinator.rank_in_group)
         self.world_size = int(coordinator.world_size)
@@ -217,7 +225,7 @@ class SglangPcieAllReduce:
         self._cpu_group = cpu_group
         self._engine_deterministic = type(coordinator)._deterministic_collectives_enabled
         self.max_numel = 0
-        self.sizing: Optional[common.Sizing] = None
+        self.sizing: Optional[policy.Sizing] = None
         self.deterministic: Optional[str] = None
         self.warm_up_outcome: Optional[Dict[str, Any]] = None
         self._ar: Any = None
@@ -333,8 +341,8 @@ class SglangPcieAllReduce:
         sizing = common.size_workspace("sglang", max_bs=max_bs, draft_tokens=draft,
                                        hidden=hidden)
         deterministic, why = _deterministic(self._engine_deterministic)
-        table = common.deterministic_table("cuda" if self.device.type == "cuda" else "host") \
-            if deterministic else None
+        transport = policy.CUDA_IPC if self.device.type == "cuda" else policy.HOST_SHM
+        table = common.deterministic_table(transport) if deterministic else None
         try:
             self._ar = PcieAllReduce(self._group, self.device, max_numel=sizing.max_numel,
                                      table=table, cpu_group=self._cpu_group)

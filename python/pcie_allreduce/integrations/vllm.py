@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from .. import policy
 from . import common
 
 logger = logging.getLogger("pcie_allreduce.vllm")
@@ -122,7 +123,7 @@ def read_config(config: Any) -> VllmSettings:
     return s
 
 
-def workspace_sizing(settings: VllmSettings) -> "common.Sizing":
+def workspace_sizing(settings: VllmSettings) -> policy.Sizing:
     """PCIE_ALLREDUCE_MAX_NUMEL, else decode requests x (1 + speculative tokens) x hidden, else
     the announced guess (common.size_workspace)."""
     return common.size_workspace("vllm", max_bs=settings.max_bs,
@@ -156,7 +157,7 @@ class VllmPcieAllReduce:
         group = communicator.device_group
         if not cuda and dist.get_backend(group) != "gloo":
             group = communicator.cpu_group
-        self.transport = "cuda" if cuda else "host"
+        self.transport = policy.CUDA_IPC if cuda else policy.HOST_SHM
         self.settings = settings
         self.sizing = workspace_sizing(settings)
         self.deterministic = deterministic

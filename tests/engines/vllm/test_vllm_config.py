@@ -145,7 +145,7 @@ def test_explicit_max_numel_wins_over_the_config(model_dir, monkeypatch):
 
 def test_without_a_model_or_a_config_the_size_is_an_announced_guess(monkeypatch, caplog):
     monkeypatch.delenv("PCIE_ALLREDUCE_MAX_NUMEL", raising=False)
-    from pcie_allreduce.integrations import common
+    from pcie_allreduce import policy
 
     no_model = make_config(None)
     assert no_model.model_config is None
@@ -155,7 +155,7 @@ def test_without_a_model_or_a_config_the_size_is_an_announced_guess(monkeypatch,
         with caplog.at_level(logging.WARNING, logger="pcie_allreduce"):
             sizing = vllm_adapter.workspace_sizing(vllm_adapter.read_config(config))
         assert sizing.guessed and f"could not read {unread}" in sizing.how
-        assert sizing.max_numel == common.DEFAULT_ROWS * common.DEFAULT_HIDDEN
+        assert sizing.max_numel == policy.DEFAULT_ROWS * policy.DEFAULT_HIDDEN
         assert "PCIE_ALLREDUCE_MAX_NUMEL" in caplog.text
 
 

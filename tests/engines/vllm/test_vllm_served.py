@@ -120,7 +120,7 @@ def test_the_real_tp_group_dispatches_captures_and_destroys_through_our_slot(tmp
         assert r["wrapped"]
         assert r["is_cuda_communicator"], r["communicator"]
         assert r["slot"] == "pcie_allreduce.integrations.vllm.VllmPcieAllReduce"
-        assert r["enabled"] and r["transport"] == "host"
+        assert r["enabled"] and r["transport"] == "host_shm"
         assert r["slot_state"] == (False, True)  # vLLM reads .disabled; .initialized as theirs
         # Sized from the resolved config: no CUDA graphs on the CPU platform, so the
         # scheduler's max_num_seqs requests of one token, times the model's hidden size.

@@ -1,268 +1,50 @@
-"""The tuning cache and autotune.
+"""The tuner: measures this host once and writes its tuning cache.
 
-Every host measures once: ``tune()`` times every runnable tactic (and the fallback) per size
-bucket, keeps the incumbent unless a challenger wins by more than the measured noise, and
-writes ``$PCIE_ALLREDUCE_CACHE_DIR/<fingerprint>.csv`` (default ``~/.cache/pcie_allreduce``).
-The next communicator on the same host (same fingerprint) loads that file and measures
-nothing. The file is the tuning-table format with the measured times as extra columns and a
-comment header naming the library version, format version, fingerprint, date and devices.
+``tune()`` times every runnable tactic (and the fallback) per size bucket, keeps the incumbent
+unless a challenger wins by more than the measured noise (``decision``), and writes
+``cache.cache_path(fingerprint)``; the next communicator on the same host (same fingerprint)
+loads that file and measures nothing. It drives a :class:`~pcie_allreduce.PcieAllReduce`
+through its public interface only: ``config``, ``table``, ``gather``, ``trial``,
+``install_table``, ``supports``, ``chosen_tactic`` and ``all_reduce``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
-import hashlib
-import json
 import logging
-import os
-import platform
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .env import read_env
-from .errors import TuneError, TuneRefused
-from .plan import ALGORITHMS
-from .testing import DTYPES
+from .. import policy
+from ..env import read_env
+from ..errors import TableMismatch, TuneError, TuneRefused
+from ..native import _C
+from ..plan import ALGORITHMS
+from ..testing import DTYPES
+from . import cache
+from .decision import (MIN_MARGIN, MIN_MARGIN_MEASURED, keep_or_replace, median,
+                       median_and_error, ratio_and_error)
+from .passes import current_pass
 
 logger = logging.getLogger("pcie_allreduce")
-
-FORMAT_VERSION = 1
-CACHE_MAGIC = "# pcie_allreduce tuning cache"
-# The table's topology key (and the cache fingerprint's) on the cuda_host transport: GPUs
-# without peer-to-peer, every workspace in shared pinned host memory.
-HOSTMEM_KEY = "hostmem"
-
-
-def library_version() -> str:
-    from . import __version__
-
-    return __version__
-
-
-def cache_dir(env: Optional[Mapping[str, str]] = None) -> Path:
-    """``$PCIE_ALLREDUCE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pcie_allreduce``, else
-    ``~/.cache/pcie_allreduce``."""
-    env = os.environ if env is None else env
-    given = env.get("PCIE_ALLREDUCE_CACHE_DIR", "").strip()
-    if given:
-        return Path(given).expanduser()
-    xdg = env.get("XDG_CACHE_HOME", "").strip()
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "pcie_allreduce"
-
-
-def host_devices() -> List[str]:
-    """What the host transport runs on: the CPU model and the number of NUMA nodes."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
-    return [f"{model} ({os.cpu_count()} CPUs, {nodes} NUMA node(s))"]
-
-
-def fingerprint_fields(
-    transport: str,
-    world: int,
-    topology_key: str,
-    island_of: Sequence[int],
-    devices: Sequence[str],
-    driver: str = "",
-    links: str = "",
-) -> Dict[str, Any]:
-    """Everything that changes which tactic wins: what a cache file is valid for (``links``:
-    the group's pairwise link classes, ``Topology.fingerprint()`` of its GPUs)."""
-    return {
-        "library": library_version(),
-        "format": FORMAT_VERSION,
-        "transport": transport,
-        "world": int(world),
-        "topology": topology_key,
-        "island_of": [int(i) for i in island_of],
-        "devices": [str(d) for d in devices],
-        "driver": driver,
-        "links": links,
-    }
-
-
-def fingerprint(fields: Mapping[str, Any]) -> str:
-    """``<transport>-w<world>-<12 hex digits>``: a file name, readable where it matters."""
-    digest = hashlib.sha256(json.dumps(dict(fields), sort_keys=True).encode()).hexdigest()
-    return f"{fields['transport']}-w{fields['world']}-{digest[:12]}"
-
-
-def cache_path(fp: str, env: Optional[Mapping[str, str]] = None) -> Path:
-    return cache_dir(env) / f"{fp}.csv"
-
-
-@dataclass
-class CacheRead:
-    """What ``read_cache`` found: ``text`` (the table) when the file is valid for this
-    fingerprint; ``problem`` says why a file that exists was not used; both None: no file."""
-
-    path: Path
-    text: Optional[str] = None
-    problem: Optional[str] = None
-    header: Optional[Dict[str, str]] = None
-
-
-def _checksum(body: str) -> str:
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def read_cache(path: Path, fp: str) -> CacheRead:
-    """Loads a cache file, or says why it cannot be used (missing trailer = truncated, a bad
-    checksum = corrupt, another fingerprint or format = foreign). Never raises for content."""
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        return CacheRead(Path(path))
-    except OSError as error:
-        return CacheRead(Path(path), problem=f"unreadable ({error.strerror or error})")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        return CacheRead(Path(path), problem=f"corrupt (not UTF-8 at byte {error.start})")
-    if not text.startswith(CACHE_MAGIC + "\n"):
-        return CacheRead(Path(path), problem="not a pcie_allreduce tuning cache (no header)")
-    body, sep, trailer = text.rstrip("\n").rpartition("\n")
-    if not sep or not trailer.startswith("# checksum "):
-        return CacheRead(Path(path), problem="truncated (no checksum line at the end)")
-    if trailer.split()[-1] != _checksum(body + "\n"):
-        return CacheRead(Path(path), problem="corrupt (checksum does not match the contents)")
-    header: Dict[str, str] = {}
-    for line in body.splitlines():
-        if line.startswith("# ") and ": " in line:
-            key, _, value = line[2:].partition(": ")
-            header.setdefault(key.strip(), value.strip())
-    if header.get("format") != str(FORMAT_VERSION):
-        return CacheRead(Path(path), problem=f"format {header.get('format')!r}, this library "
-                         f"reads {FORMAT_VERSION}", header=header)
-    if header.get("fingerprint") != fp:
-        return CacheRead(Path(path), problem=f"foreign (fingerprint {header.get('fingerprint')!r}"
-                         f", this host is {fp!r})", header=header)
-    try:
-        _C.TuningTable.parse(body + "\n", str(path))
-    except ValueError as error:
-        return CacheRead(Path(path), problem=f"corrupt ({error})", header=header)
-    return CacheRead(Path(path), text=body + "\n", header=header)
-
-
-def write_cache(path: Path, fp: str, fields: Mapping[str, Any], rows: str, measured: int) -> None:
-    """Writes a cache file atomically: a temporary file in the same folder, fsynced, then
-    renamed over ``path``, so a reader sees the old file or the new one, never a torn one.
-    The last line is a checksum of everything before it (a truncated file has none)."""
-    header = [
-        CACHE_MAGIC,
-        f"# format: {FORMAT_VERSION}",
-        f"# library: {library_version()}",
-        f"# fingerprint: {fp}",
-        f"# date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
-        f"# devices: {'; '.join(fields.get('devices', []))}",
-        f"# measured: {measured} (bucket, tactic) pairs",
-        f"# fields: {json.dumps(dict(fields), sort_keys=True)}",
-        "# Written by `pcie-allreduce tune` / PcieAllReduce.tune(); delete it to measure again.",
-    ]
-    body = "\n".join(header) + "\n" + rows
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body + f"# checksum {_checksum(body)}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-class CacheLock:
-    """An advisory lock on ``<cache>.lock`` (flock), so two servers starting together on one
-    host neither corrupt the cache nor both measure: the second waits, then finds the file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path.with_name(path.name + ".lock")
-        self._fd: Optional[int] = None
-
-    def try_acquire(self) -> bool:
-        if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno in (errno.EAGAIN, errno.EACCES):
-                return False
-            raise
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
-        return True
-
-    def holder(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.path.read_text().strip() or "unknown"
-        return "unknown"
-
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-# ------------------------------------------------------------------------------- autotune
 
 _HOST_SHAPES = ((1, 32), (2, 32))  # (blocks, threads): the host executor ignores threads
 _CUDA_SHAPES = tuple((b, t) for b in (4, 8, 16, 32) for t in (256, 512))
 _MIN_ROUNDS = 10
 _MAX_ROUNDS = 60
 _PRECISION = 0.01  # stop once every finalist's ratio to the incumbent is known to 1 %
-# A challenger must win by more than the noise, and by at least 5 % against a guess (the seed
-# or a given table) or 10 % against a measured choice (the cache): on a shared machine the
-# ratio of two tactics itself drifts a few percent between runs, and a choice that flips on
-# that drift is worth less than the few percent it would gain.
-_MIN_MARGIN = 0.05
-_MIN_MARGIN_MEASURED = 0.10
 _FINALIST = 1.25  # after the minimum rounds only contenders this close to the best are timed
 _BLOCK_SECONDS = 0.001  # one timed block of calls per contender per round
 _FALLBACK_ROW = "fallback,,,,,"
 
-_nesting = threading.local()
-
 # Tests replace how a block of calls is timed, to drive the decision logic with known costs
 # and known noise: synthetic_timer(label, size_bytes) -> seconds per call. The calls still run.
 synthetic_timer: Optional[Any] = None
-
-
-@contextlib.contextmanager
-def autotune_pass(name: str) -> Iterator[None]:
-    """Marks an autotune pass on this thread; ``tune()`` refuses to run inside one, because
-    timings taken inside another tuner's pass (FlashInfer's, an engine's warm-up) measure that
-    pass, not us. Engine integrations wrap their own passes in it."""
-    outer = getattr(_nesting, "name", None)
-    _nesting.name = name if outer is None else outer
-    try:
-        yield
-    finally:
-        _nesting.name = outer
 
 
 @dataclass(frozen=True)
@@ -277,7 +59,7 @@ def candidates(transport: str, world: int, island_of: Sequence[int], max_blocks:
                ) -> List[Candidate]:
     """Every tactic the plan layer supports here, in every (blocks, threads) shape worth
     trying on this transport, then the fallback."""
-    shapes = _HOST_SHAPES if transport in ("host", "host_shm") else _CUDA_SHAPES
+    shapes = _HOST_SHAPES if transport == policy.HOST_SHM else _CUDA_SHAPES
     out: List[Candidate] = []
     for algorithm in ALGORITHMS:
         for direction in ("push", "pull"):
@@ -303,7 +85,8 @@ def columns_of_label(label: str) -> str:
     if label == "fallback":
         return _FALLBACK_ROW
     algorithm, direction, staged, protocol, blocks, threads = label.split("/")
-    return f"{algorithm},{direction},{int(staged == 'staged')},{blocks[1:]},{threads[1:]},{protocol}"
+    staged_flag = int(staged == "staged")
+    return f"{algorithm},{direction},{staged_flag},{blocks[1:]},{threads[1:]},{protocol}"
 
 
 def buckets(max_bytes: int, min_bytes: int = 1024) -> List[tuple[int, int, int]]:
@@ -319,50 +102,6 @@ def buckets(max_bytes: int, min_bytes: int = 1024) -> List[tuple[int, int, int]]
         sizes = [max(16, max_bytes // 16 * 16)]
     edges = [0] + [int(s * 1.4142135623730951) // 16 * 16 for s in sizes[:-1]] + [-1]
     return [(edges[i], s, edges[i + 1]) for i, s in enumerate(sizes)]
-
-
-def _median(values: Sequence[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
-def median_and_error(samples: Sequence[float]) -> tuple[float, float]:
-    """(median, relative standard error of the median), the error from the median absolute
-    deviation: robust to the slow outliers a shared machine produces."""
-    med = _median(samples)
-    if len(samples) < 2 or med <= 0:
-        return med, 1.0
-    mad = _median([abs(s - med) for s in samples])
-    return med, 1.253 * 1.4826 * mad / med / len(samples) ** 0.5
-
-
-def keep_or_replace(incumbent: Optional[str], samples: Mapping[str, Sequence[float]],
-                    min_margin: float = _MIN_MARGIN) -> tuple[str, float, float]:
-    """(winner, challenger/incumbent time ratio, margin it had to beat). The incumbent stays
-    unless the fastest challenger beats it by more than ``min_margin`` and by more than three
-    standard errors of the per-round ratio. Each round times both back to back, so the ratio
-    cancels the slow and fast phases of a shared machine that the times themselves carry: two
-    tunes of one host choose the same."""
-    if incumbent is None or incumbent not in samples:
-        medians = {label: _median(times) for label, times in samples.items() if times}
-        return min(medians, key=medians.__getitem__), 1.0, 0.0
-    ratios = {label: ratio_and_error(times, samples[incumbent])
-              for label, times in samples.items() if label != incumbent and times}
-    if not ratios:
-        return incumbent, 1.0, 0.0
-    best = min(ratios, key=lambda label: ratios[label][0])
-    ratio, error = ratios[best]
-    margin = max(min_margin, 3.0 * error)
-    return (best if ratio < 1.0 - margin else incumbent), ratio, margin
-
-
-def ratio_and_error(challenger: Sequence[float], incumbent: Sequence[float]
-                    ) -> tuple[float, float]:
-    """Median of the per-round time ratios and its standard error (absolute)."""
-    ratios = [c / i for c, i in zip(challenger, incumbent) if i > 0]
-    med, rel = median_and_error(ratios)
-    return med, rel * med
 
 
 def _exact_input(rank: int, numel: int, dtype: Any) -> Any:
@@ -405,28 +144,26 @@ class _Tuner:
     """One tune of one communicator: every rank runs the same candidates in the same order;
     every decision is computed from gathered numbers, and rank 0's table is the one kept."""
 
-    def __init__(self, ar: Any, budget_s: float) -> None:
-        self.ar, self.comm, self.boot = ar, ar._comm, ar._boot
-        self.budget_s = budget_s
+    def __init__(self, ar: Any, budget_s: float, use: Callable[[Optional[str]], None]) -> None:
+        self.ar, self.use, self.budget_s = ar, use, budget_s
         self.cuda = ar.device.type == "cuda"
         # CUDA-graph replay is how engines run decode, so that is what is timed; the fallback
         # only when its backend can be captured (NCCL can, gloo cannot).
         self.graph_fallback = self.cuda and dist.get_backend(ar.group) == "nccl"
         self.sync = (lambda: torch.cuda.synchronize(ar.device)) if self.cuda else (lambda: None)
-        self.original_text, self.original_source = ar._table_text, ar._table_source
-        measured = self.original_source.startswith("cache ")
-        self.min_margin = _MIN_MARGIN_MEASURED if measured else _MIN_MARGIN
-        opts = ar._opts
-        self.candidates = candidates(opts.transport, ar.world_size, list(opts.island_of),
-                                     opts.max_blocks)
+        measured = ar.table.source.startswith(policy.cache_source(""))
+        self.min_margin = MIN_MARGIN_MEASURED if measured else MIN_MARGIN
+        config = ar.config
+        self.candidates = candidates(config.transport, ar.world_size, config.island_of,
+                                     config.max_blocks)
         self.measured = 0
         self.excluded: List[Dict[str, Any]] = []
 
     def install(self, columns: str, dtype: str) -> None:
-        self.comm.set_table(f"*,*,{dtype},0,*,{columns}\n", "tune candidate")
+        self.use(f"*,*,{dtype},0,*,{columns}\n")
 
     def restore(self) -> None:
-        self.comm.set_table(self.original_text, self.original_source)
+        self.use(None)
 
     def _timed(self, fn: Any, calls: int, label: str = "", size: int = 0) -> float:
         """Seconds per call of ``calls`` calls of ``fn`` (CUDA-graph replay on GPUs)."""
@@ -455,7 +192,7 @@ class _Tuner:
         """Measures one size bucket; None when the communicator declines that size."""
         numel = size // DTYPES[dtype].itemsize
         x = _exact_input(self.ar.rank, numel, DTYPES[dtype]).to(self.ar.device)
-        if self.comm.supports(x) is not None:
+        if self.ar.supports(x) is not None:
             return None
         expected = _exact_sum(self.ar.world_size, numel, DTYPES[dtype])
         y = torch.empty_like(x)
@@ -508,7 +245,7 @@ class _Tuner:
             call()
             self.sync()
             mine.append(bool(torch.equal(y.cpu(), expected)))
-        everyone = self.boot.gather(mine, "tune: correctness")
+        everyone = self.ar.gather(mine, "tune: correctness")
         ok: Dict[str, str] = {}
         for i, (label, columns) in enumerate(contenders.items()):
             wrong = [r for r, flags in enumerate(everyone) if not flags[i]]
@@ -533,7 +270,7 @@ class _Tuner:
             self.install(contenders[label], dtype)
             call()
             probe.append(self._timed(call, 3, label, size))
-        slowest = [max(col) for col in zip(*self.boot.gather(probe, "tune: probe"))]
+        slowest = [max(col) for col in zip(*self.ar.gather(probe, "tune: probe"))]
         calls = {label: int(min(500, max(3, _BLOCK_SECONDS / max(t, 1e-7))))
                  for label, t in zip(labels, slowest)}
         samples: Dict[str, List[float]] = {label: [] for label in labels}
@@ -546,14 +283,14 @@ class _Tuner:
                 self.install(contenders[label], dtype)
                 call()
                 mine[label] = self._timed(call, calls[label], label, size)
-            everyone = self.boot.gather({"t": mine, "elapsed": time.perf_counter() - start},
+            everyone = self.ar.gather({"t": mine, "elapsed": time.perf_counter() - start},
                                         "tune: round")
             for label in active:
                 samples[label].append(max(e["t"][label] for e in everyone))
             elapsed = max(e["elapsed"] for e in everyone)
             if round_no + 1 < _MIN_ROUNDS:
                 continue
-            ratios = {label: _median([t / i for t, i in zip(samples[label], samples[incumbent])])
+            ratios = {label: median([t / i for t, i in zip(samples[label], samples[incumbent])])
                       for label in active}
             best = min(ratios.values())
             active = [label for label in active
@@ -569,7 +306,7 @@ def _refusal(ar: Any) -> Optional[str]:
     """Why this rank must not tune now, or None."""
     if read_env().disable_autotune:
         return "PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1"
-    outer = getattr(_nesting, "name", None)
+    outer = current_pass()
     if outer is not None:
         return (f"inside another autotune pass ({outer}): its timings would measure that pass; "
                 "tune before or after it")
@@ -584,11 +321,12 @@ def _refusal(ar: Any) -> Optional[str]:
 def _check_arguments(ar: Any, dtypes: Optional[Sequence[str]], max_bytes: Optional[int],
                      budget_s: float) -> List[str]:
     """The dtypes to tune; a bad argument raises on this rank before any exchange."""
-    chosen = list(dtypes) if dtypes is not None else list(ar._dtypes)
-    unknown = [d for d in chosen if d not in ar._dtypes]
+    admitted = list(ar.config.dtypes)
+    chosen = list(dtypes) if dtypes is not None else admitted
+    unknown = [d for d in chosen if d not in admitted]
     if not chosen or unknown:
         raise ValueError(f"tune(dtypes={dtypes!r}): expected a non-empty subset of the "
-                         f"communicator's dtypes {ar._dtypes}")
+                         f"communicator's dtypes {admitted}")
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                   or max_bytes < 16):
         raise ValueError(f"tune(max_bytes={max_bytes!r}): expected a whole number of bytes >= 16")
@@ -600,23 +338,23 @@ def _check_arguments(ar: Any, dtypes: Optional[Sequence[str]], max_bytes: Option
 
 def _agree_to_tune(ar: Any) -> None:
     """Every rank says whether it may tune; any refusal is raised on every rank, named."""
-    everyone = ar._boot.gather(_refusal(ar), "tune: start")
+    everyone = ar.gather(_refusal(ar), "tune: start")
     refused = [(r, why) for r, why in enumerate(everyone) if why is not None]
     if refused:
         rank, why = refused[0]
         raise TuneRefused(f"pcie_allreduce tune refused on rank {rank}: {why}; measured nothing")
 
 
-def _lock_cache(ar: Any, path: Path, wait_s: float) -> Optional[CacheLock]:
+def _lock_cache(ar: Any, path: Path, wait_s: float) -> Optional[cache.CacheLock]:
     """Rank 0 takes the cache lock; every rank waits (bounded, in small steps, so no
     exchange outlives the timeout) while another tune of this host holds it."""
-    lock = CacheLock(path) if ar.rank == 0 else None
+    lock = cache.CacheLock(path) if ar.rank == 0 else None
     deadline = time.monotonic() + wait_s
     while True:
         state = None
         if lock is not None:
             state = "held" if lock.try_acquire() else f"busy (pid {lock.holder()})"
-        state = ar._boot.gather(state, "tune: cache lock")[0]
+        state = ar.gather(state, "tune: cache lock")[0]
         if state == "held":
             return lock
         if time.monotonic() > deadline:
@@ -642,7 +380,7 @@ def _tail(original_text: str, key: str, world: int, dtypes: Sequence[str]) -> st
     kept = []
     for line in _C.TuningTable.parse(original_text, "table").canonical_text().splitlines():
         topology, w, dtype = line.split(",")[:3]
-        if topology == _C.TuningTable.canonical_key(key) and w == str(world) and dtype in dtypes:
+        if topology == key and w == str(world) and dtype in dtypes:
             continue
         kept.append(line)
     return "# the table in use before this tune, for everything it did not measure\n" + \
@@ -663,29 +401,21 @@ def tune(ar: Any, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional
     dtypes = _check_arguments(ar, dtypes, max_bytes, budget_s)
     _agree_to_tune(ar)
     started = time.perf_counter()
-    counts = ar._comm.stats()
-    try:
-        return _tune_locked(ar, dtypes, max_bytes, budget_s, force, progress, started)
-    finally:  # the measurement calls are not service: stats() shows only the engine's calls
-        ar._comm.restore_stats(counts["calls"], counts["declines"],
-                               counts["bytes_sent_per_peer"], counts["staged"])
-
-
-def _tune_locked(ar: Any, dtypes: List[str], max_bytes: Optional[int], budget_s: float,
-                 force: bool, progress: Optional[bool], started: float) -> Dict[str, Any]:
-    """tune() under the cache lock: load a valid cache (unless forced) or measure."""
-    path = cache_path(ar._fingerprint)
+    path = cache.cache_path(ar.config.fingerprint)
     lock = _lock_cache(ar, path, wait_s=max(budget_s * 2, ar.timeout_s))
     try:
         if not force:
-            found = read_cache(path, ar._fingerprint) if ar.rank == 0 else CacheRead(path)
-            text = ar._boot.gather(found.text, "tune: cache")[0]
+            found = cache.read_cache(path, ar.config.fingerprint) if ar.rank == 0 \
+                else cache.CacheRead(path)
+            text = ar.gather(found.text, "tune: cache")[0]
             if text is not None:
-                ar._install_table(text, f"cache {path}")
+                table_hash = ar.install_table(text, policy.cache_source(path))
                 return {"status": "cached", "measured": 0, "path": str(path), "choices": [],
                         "excluded": [], "seconds": time.perf_counter() - started,
-                        "table_hash": int(ar._comm.table_hash())}
-        report = _measure(ar, dtypes, max_bytes, budget_s, progress, path)
+                        "table_hash": table_hash}
+        # The measurement calls are not service: stats() shows only the engine's calls.
+        with ar.trial() as use:
+            report = _measure(ar, _Tuner(ar, budget_s, use), dtypes, max_bytes, progress, path)
     finally:
         if lock is not None:
             lock.release()
@@ -693,10 +423,8 @@ def _tune_locked(ar: Any, dtypes: List[str], max_bytes: Optional[int], budget_s:
     return report
 
 
-def _measure(ar: Any, dtypes: List[str], max_bytes: Optional[int], budget_s: float,
+def _measure(ar: Any, tuner: _Tuner, dtypes: List[str], max_bytes: Optional[int],
              progress: Optional[bool], path: Path) -> Dict[str, Any]:
-    tuner = _Tuner(ar, budget_s)
-    key, world = ar._opts.topology_key, ar.world_size
     plan = []
     for dtype in dtypes:
         top = ar.max_numel * DTYPES[dtype].itemsize
@@ -705,7 +433,7 @@ def _measure(ar: Any, dtypes: List[str], max_bytes: Optional[int], budget_s: flo
     choices = []
     try:
         for dtype, lo, size, hi in plan:
-            choice = tuner.bucket(dtype, lo, size, hi, budget_s / max(len(plan), 1))
+            choice = tuner.bucket(dtype, lo, size, hi, tuner.budget_s / max(len(plan), 1))
             if choice is not None:
                 choices.append(choice)
             bar.step(f"{dtype} {size} B")
@@ -714,27 +442,28 @@ def _measure(ar: Any, dtypes: List[str], max_bytes: Optional[int], budget_s: flo
     if tuner.measured == 0 or not choices:
         raise TuneError("pcie_allreduce tune measured nothing (every size was declined); the "
                         "table in use is unchanged")
-    text = _rows(choices, key, world) + _tail(ar._table_text, key, world, dtypes)
-    text = ar._boot.gather(text if ar.rank == 0 else None, "tune: decision")[0]
-    ar._install_table(text, f"cache {path}")
-    hashes = ar._boot.gather(int(ar._comm.table_hash()), "tune: table hash")
-    if len(set(hashes)) != 1:
-        ar._comm.disable("disabled", f"ranks installed different tuned tables: {hashes}")
-        raise TuneError(f"ranks installed different tuned tables (hashes {hashes})")
+    key = ar.config.topology_key
+    text = _rows(choices, key, ar.world_size) + _tail(ar.table.text, key, ar.world_size, dtypes)
+    text = ar.gather(text if ar.rank == 0 else None, "tune: decision")[0]
+    try:
+        table_hash = ar.install_table(text, policy.cache_source(path))
+    except TableMismatch as error:
+        raise TuneError(f"{error}; the tuned table is not kept") from error
     written, problem = _write_on_rank0(ar, path, text, tuner.measured)
     return {"status": "tuned", "measured": tuner.measured, "path": str(path) if written else None,
             "problem": problem, "choices": choices, "excluded": tuner.excluded,
-            "table_hash": hashes[0]}
+            "table_hash": table_hash}
 
 
 def _write_on_rank0(ar: Any, path: Path, text: str, measured: int) -> tuple[bool, Optional[str]]:
     problem = None
     if ar.rank == 0:
         try:
-            write_cache(path, ar._fingerprint, ar._fingerprint_fields, text, measured)
+            cache.write_cache(path, ar.config.fingerprint, ar.config.fingerprint_fields, text,
+                              measured)
         except OSError as error:
             problem = f"could not write {path}: {error}"
             logger.warning("pcie_allreduce tune: %s; the tuned table is used but not kept",
                            problem)
-    problem = ar._boot.gather(problem, "tune: written")[0]
+    problem = ar.gather(problem, "tune: written")[0]
     return problem is None, problem

@@ -1,0 +1,32 @@
+"""The compiled extension, loaded once, when the runtime first needs it.
+
+Loading ``pcie_allreduce._C`` runs its ``TORCH_LIBRARY`` block, which defines the torch ops
+``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}``; this module then
+registers their fake implementations, so ``torch.compile`` can trace a call before any op runs.
+``import pcie_allreduce`` does not import this module: a disabled engine plugin loads neither
+the extension nor torch. Every module that needs the extension imports ``_C`` from here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+_C = importlib.import_module("pcie_allreduce._C")
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce")
+def _all_reduce_fake(inp: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.empty(inp.shape, dtype=inp.dtype, device=inp.device)
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_")
+def _all_reduce_inplace_fake(inp: torch.Tensor, handle: int) -> None:
+    return None
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_into")
+def _all_reduce_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
+    return None
+

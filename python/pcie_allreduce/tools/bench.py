@@ -1,0 +1,226 @@
+"""`pcie-allreduce bench`: spawns its own ranks, verifies every result against a float64
+reference, and prints nccl-tests columns for pcie_allreduce beside the fallback (gloo on the
+host transport, NCCL on GPUs) measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import policy
+from ..testing import DTYPES, count_wrong, rank_input
+from .ranks import GPU_TRANSPORTS, Rank, json_problem, run_ranks, set_up, transport_and_world
+
+
+def sizes_between(min_bytes: int, max_bytes: int, factor: int, elem: int) -> List[int]:
+    """Message sizes in bytes: min, min*factor, ... up to max, each a multiple of 16 bytes."""
+    out, size = [], max(16, min_bytes)
+    while size <= max_bytes:
+        rounded = max(16, size // 16 * 16)
+        if rounded % elem == 0 and (not out or rounded != out[-1]):
+            out.append(rounded)
+        size *= max(2, factor)
+    return out
+
+
+def _timed(fn, iters: int, sync) -> float:
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
+_GRAPH_CALLS = 20  # calls captured per graph under --graph; times are per call
+
+
+def _graphed(fn, calls: int, device: torch.device):
+    """Captures `calls` calls of fn into one CUDA graph; returns its replay."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize(device)
+    return graph.replay
+
+
+def _agree_max(value: float, group: Any) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _verify(r: Rank, x: torch.Tensor, dtype_name: str) -> int:
+    """Wrong elements of one all-reduce of x (at least 1 if the ranks' bits differ)."""
+    out = r.ar.all_reduce(x)
+    r.ar.synchronize()
+    wrong = count_wrong(out, r.world, x.numel(), dtype_name)
+    # Tensor-parallel replicas diverge unless every rank gets the same bits.
+    as_int = torch.int16 if x.element_size() == 2 else torch.int32
+    bits = out.cpu().view(as_int).long().sum().item()
+    all_bits = [torch.zeros(1, dtype=torch.int64) for _ in range(r.world)]
+    dist.all_gather(all_bits, torch.tensor([bits], dtype=torch.int64), group=r.cpu_group)
+    if len({int(b.item()) for b in all_bits}) != 1:
+        wrong = max(wrong, 1)
+    return wrong
+
+
+def _seconds_per_call(r: Rank, fn: Callable[[], None], opts: Dict[str, Any]) -> float:
+    """fn's time per call, the slowest rank's, after warm-up (under graph replay with --graph)."""
+    for _ in range(opts["warmup"]):
+        fn()
+    if opts["graph"]:
+        fn = _graphed(fn, _GRAPH_CALLS, r.device)
+    iters = opts["iters"]
+    if iters <= 0:
+        probe = _agree_max(_timed(fn, 3, r.sync), r.cpu_group)
+        iters = int(min(500, max(5, 0.1 / max(probe, 1e-7))))
+    dist.barrier(group=r.cpu_group)
+    per_call = _GRAPH_CALLS if opts["graph"] else 1
+    return _agree_max(_timed(fn, iters, r.sync), r.cpu_group) / per_call
+
+
+def _time_ours_and_fallback(
+    r: Rank, x: torch.Tensor, opts: Dict[str, Any]
+) -> Tuple[float, float]:
+    """Seconds per call of ours and of the group's own all-reduce, on the same input."""
+    scratch = x.clone()
+
+    def ours() -> None:
+        r.ar.all_reduce(x)
+
+    def fallback() -> None:
+        scratch.copy_(x)
+        dist.all_reduce(scratch, group=r.group)
+
+    return _seconds_per_call(r, ours, opts), _seconds_per_call(r, fallback, opts)
+
+
+def _row(size: int, numel: int, world: int, dtype_name: str, wrong: int, tactic: str,
+         t_ours: float, t_fb: float) -> Dict[str, Any]:
+    algbw = size / t_ours / 1e9
+    return {
+        "size": size,
+        "count": numel,
+        "type": dtype_name,
+        "time_us": t_ours * 1e6,
+        "algbw": algbw,
+        "busbw": algbw * 2 * (world - 1) / world,
+        "wrong": wrong,
+        "fallback_us": t_fb * 1e6,
+        "speedup": t_fb / t_ours,
+        "tactic": tactic,
+    }
+
+
+def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+    dtype_name = opts["dtype"]
+    dtype = DTYPES[dtype_name]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    sizes = sizes_between(opts["min_bytes"], opts["max_bytes"], opts["step_factor"], elem)
+    max_numel = max(sizes) // elem
+    max_numel += (-max_numel) % 8
+    r = set_up(rank, world, port, opts, max_numel)
+    if rank == 0:
+        s = r.ar.stats()
+        print(f"# communicator transport: {s['transport']} ({s['transport_detail']})", flush=True)
+    rows = []
+    for size in sizes:
+        numel = size // elem
+        x = rank_input(rank, numel, dtype).to(r.device)
+        wrong = _verify(r, x, dtype_name)
+        tactic = r.ar.chosen_tactic(x)
+        t_ours, t_fb = _time_ours_and_fallback(r, x, opts)
+        row = _row(size, numel, world, dtype_name, wrong, tactic, t_ours, t_fb)
+        rows.append(row)
+        if rank == 0:
+            print(_format_row(row), flush=True)
+    stats = r.ar.stats()
+    r.ar.destroy()
+    if rank == 0:
+        queue.put({"rows": rows, "stats": stats})
+    dist.destroy_process_group()
+
+
+def _format_row(r: Dict[str, Any]) -> str:
+    return (
+        f"{r['size']:>12} {r['count']:>10} {r['type']:>6} {r['time_us']:>10.2f} "
+        f"{r['algbw']:>8.3f} {r['busbw']:>8.3f} {r['wrong']:>7} {r['fallback_us']:>12.2f} "
+        f"{r['speedup']:>8.2f}x  {r['tactic']}"
+    )
+
+
+def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the size range, --table or --json, found before any rank starts."""
+    if args.min_bytes > args.max_bytes:
+        return "--min-bytes exceeds --max-bytes"
+    elem = DTYPES[args.dtype].itemsize
+    if not sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem):
+        return (
+            f"no message size in --min-bytes {args.min_bytes} .. --max-bytes {args.max_bytes}: "
+            "sizes are multiples of 16 bytes; raise --max-bytes to at least 16"
+        )
+    if args.table is not None and not os.path.isfile(args.table):
+        return f"--table {args.table!r}: no such file (expected a tuning-table CSV file)"
+    return json_problem(args)
+
+
+def _print_header(transport: str, world: int, dtype_name: str) -> None:
+    fallback = "nccl" if transport in GPU_TRANSPORTS else "gloo"
+    print(
+        f"# pcie-allreduce bench: transport={transport} world={world} dtype={dtype_name} "
+        f"fallback={fallback} host={platform.node()} cpus={os.cpu_count()} "
+        f"torch={torch.__version__}"
+    )
+    print(
+        f"# {'':>34} {'pcie_allreduce':^36} {'fallback':>12}\n"
+        f"# {'size(B)':>10} {'count':>10} {'type':>6} {'time(us)':>10} {'algbw':>8} "
+        f"{'busbw':>8} {'#wrong':>7} {'time(us)':>12} {'speedup':>9}  tactic",
+        flush=True,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    transport, world, why_not = transport_and_world(args)
+    if why_not is None and args.graph and transport not in GPU_TRANSPORTS:
+        why_not = (f"--graph needs GPUs (--transport {policy.CUDA_IPC}, {policy.CUDA_HOST} or "
+                   f"{policy.AUTO} with 2 GPUs)")
+    why_not = why_not or _arguments_problem(args)
+    if why_not is not None:
+        print(f"pcie-allreduce bench: {why_not}", file=sys.stderr)
+        return 2
+    opts = {
+        "transport": transport,
+        "dtype": args.dtype,
+        "min_bytes": args.min_bytes,
+        "max_bytes": args.max_bytes,
+        "step_factor": args.step_factor,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "table": args.table,
+        "graph": args.graph,
+    }
+    _print_header(transport, world, args.dtype)
+    result = run_ranks(world, opts, _worker)
+    if result is None:
+        return 1
+    wrong = sum(r["wrong"] for r in result["rows"])
+    print(f"# stats (rank 0): {json.dumps(result['stats'], sort_keys=True)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world": world, "transport": transport, **result}, f, indent=2)
+    if wrong:
+        print(f"# FAILED: {wrong} wrong elements", file=sys.stderr)
+        return 1
+    print("# all results verified against a float64 reference and identical on every rank")
+    return 0

@@ -1,0 +1,129 @@
+"""`pcie-allreduce topo`: the topology, islands and fingerprint of a `nvidia-smi topo -m` text
+(this host's, or a file), and each tactic's verified summary (cross-island traffic, streams per
+stage) and cost (system fences, peer polls, local wait rounds, LL polls, fabric hops)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .. import plan as plan_mod
+from .. import policy
+from .. import topology as topo_mod
+from ..native import _C
+
+
+def _summaries(world: int, island_of: List[int]) -> List[Dict[str, Any]]:
+    rows = []
+    for algorithm in plan_mod.ALGORITHMS:
+        why = _C.why_unsupported(algorithm, world, island_of)
+        if why is not None:
+            rows.append({"algorithm": algorithm, "supported": False, "reason": why})
+            continue
+        for direction in ("push", "pull"):
+            for staged in (True, False):
+                for protocol in ("flag", "ll"):
+                    if _C.why_unsupported(algorithm, world, island_of, direction, staged,
+                                          protocol) is not None:
+                        continue  # LL is push-only and unstaged
+                    s = _C.build_schedule(algorithm, world, island_of, direction, staged,
+                                          protocol)
+                    v = s.verify()
+                    rows.append(
+                        {
+                            "algorithm": algorithm,
+                            "direction": direction,
+                            "staged": staged,
+                            "protocol": protocol,
+                            "supported": True,
+                            "verified": v["ok"],
+                            "stages": v["num_stages"],
+                            "max_outbound_per_stage": v["max_outbound_per_stage"],
+                            "max_inbound_per_stage": v["max_inbound_per_stage"],
+                            "cross_island_elements": v["cross_island_elements"],
+                            "cost": v["cost"],
+                        }
+                    )
+    return rows
+
+
+def _describe_host(as_json: bool) -> int:
+    """topo on a machine without GPUs: what the host transport has to work with."""
+    host = topo_mod.describe_host()
+    if as_json:
+        print(json.dumps({"gpus": 0, "host": host}, indent=2))
+        return 0
+    print("No GPUs found (nvidia-smi unavailable and no --nvidia-smi-topo FILE given).")
+    print(
+        f"Host: {host['cpus']} CPUs ({host['cpu']}), {host['numa_nodes']} NUMA node(s), "
+        f"/dev/shm free {host['dev_shm_free_bytes']} bytes."
+    )
+    print(f"The host shared-memory transport ({policy.HOST_SHM}) serves CPU tensors here: "
+          f"`pcie-allreduce bench --transport {policy.HOST_SHM}`.")
+    return 0
+
+
+def _topo_report(topo: Any) -> Dict[str, Any]:
+    island_of = policy.islands_for_table(topo)
+    world = topo.world
+    return {
+        "gpus": world,
+        "islands": topo.islands(),
+        "table_key": topo.table_key(),
+        "fingerprint": topo.fingerprint(),
+        "has_nvlink": topo.has_nvlink(),
+        "island_algorithms": topo.why_not_two_equal_islands() or "available",
+        "schedules": _summaries(world, island_of) if 2 <= world <= 8 else [],
+    }
+
+
+def _print_schedules(rows: List[Dict[str, Any]]) -> None:
+    """One line per schedule; the cost columns are per call and CTA for the worst rank:
+    system fences, waits polling a peer, local wait rounds, LL operands polled, fabric hops."""
+    print(f"{'algorithm':<16}{'dir':<6}{'staged':<8}{'proto':<6}{'ok':<4}{'stages':>7}"
+          f"{'out/stage':>10}{'in/stage':>9}{'xisland':>8}"
+          f"{'fences':>8}{'peerpoll':>9}{'waits':>6}{'llpoll':>7}{'hops':>5}")
+    for r in rows:
+        if not r["supported"]:
+            print(f"{r['algorithm']:<16}-- {r['reason']}")
+            continue
+        c = r["cost"]
+        print(f"{r['algorithm']:<16}{r['direction']:<6}{str(r['staged']).lower():<8}"
+              f"{r['protocol']:<6}{'yes' if r['verified'] else 'NO':<4}{r['stages']:>7}"
+              f"{r['max_outbound_per_stage']:>10}{r['max_inbound_per_stage']:>9}"
+              f"{r['cross_island_elements']:>8g}{c['system_fences']:>8}{c['peer_polls']:>9}"
+              f"{c['local_waits']:>6}{c['data_polls']:>7}{c['fabric_hops']:>5}")
+
+
+def _print_topo(topo: Any, report: Dict[str, Any]) -> None:
+    print(topo.describe())
+    print(f"table key:   {report['table_key']}")
+    print(f"fingerprint: {report['fingerprint']}")
+    if topo.has_nvlink():
+        print("NVLink present: the serving engine's own custom all-reduce should take this host; "
+              "pcie_allreduce declines by itself here.")
+    print(f"island algorithms: {report['island_algorithms']}")
+    if not report["schedules"]:
+        print(f"(no schedules: world size {topo.world} is outside 2..8)")
+        return
+    print()
+    _print_schedules(report["schedules"])
+
+
+def main(args: argparse.Namespace) -> int:
+    text: Optional[str] = None
+    if args.nvidia_smi_topo:
+        text = Path(args.nvidia_smi_topo).read_text()
+    else:
+        text = topo_mod.nvidia_smi_topo_text()
+    if text is None:
+        return _describe_host(args.json)
+    topo = _C.Topology.from_nvidia_smi(text)
+    report = _topo_report(topo)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_topo(topo, report)
+    return 0
