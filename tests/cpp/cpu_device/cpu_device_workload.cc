@@ -19,6 +19,21 @@ using host_test::TacticCase;
 using host_test::Workload;
 using plan::DType;
 
+std::vector<Mode> all_modes() {
+  std::vector<Mode> modes;
+  for (auto memory : {cpu_device::MemoryModel::kStrict, cpu_device::MemoryModel::kWeak}) {
+    for (Placement placement : {Placement::kDevice, Placement::kHost}) {
+      modes.push_back(Mode{memory, placement});
+    }
+  }
+  return modes;
+}
+
+std::string mode_name(const Mode& mode) {
+  return std::string(mode.memory == cpu_device::MemoryModel::kStrict ? "_strict" : "_weak") +
+         (mode.placement == Placement::kDevice ? "_device" : "_host");
+}
+
 std::vector<TacticCase> gpu_tactics(int world, const std::vector<int>& island_of) {
   std::vector<TacticCase> tactics;
   for (TacticCase& t : host_test::all_tactics(world, island_of)) {

@@ -14,6 +14,15 @@
 
 namespace pcie_ar::transport::cpu_device_test {
 
+// The ways every suite runs: both memory models x both placements.
+struct Mode {
+  cpu_device::MemoryModel memory;
+  Placement placement;
+};
+std::vector<Mode> all_modes();
+// "_strict_device", "_weak_host", ...: a test-name suffix.
+std::string mode_name(const Mode& mode);
+
 // Two launch shapes: more than one warp per CTA, and CTAs that own uneven slices.
 struct Shape {
   int blocks;

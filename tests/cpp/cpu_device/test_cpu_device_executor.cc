@@ -48,14 +48,11 @@ using plan::DType;
 
 struct SuiteParam {
   GroupParam group;
-  MemoryModel memory;
-  Placement placement;
+  cpu_device_test::Mode mode;
 };
 
 std::string param_name(const ::testing::TestParamInfo<SuiteParam>& info) {
-  const SuiteParam& p = info.param;
-  return p.group.name + (p.memory == MemoryModel::kStrict ? "_strict" : "_weak") +
-         (p.placement == Placement::kDevice ? "_device" : "_host");
+  return info.param.group.name + cpu_device_test::mode_name(info.param.mode);
 }
 
 class CpuDeviceExecutor : public ::testing::TestWithParam<SuiteParam> {};
@@ -66,7 +63,7 @@ TEST_P(CpuDeviceExecutor, EveryTacticMatchesTheModelOnEveryRank) {
   const Workload w = make_workload(p.group.world, p.group.island_of, kMaxNumel, 1);
   ASSERT_FALSE(w.tactics.empty());
   const double start = host_test::now_s();
-  EXPECT_EQ(run_workload(w, kMaxNumel, p.placement, DeviceOptions{p.memory, 1}), "");
+  EXPECT_EQ(run_workload(w, kMaxNumel, p.mode.placement, DeviceOptions{p.mode.memory, 1}), "");
   std::printf("    %zu tactics, %zu calls: %.2f s\n", w.tactics.size(), w.calls.size(),
               host_test::now_s() - start);
 }
@@ -87,10 +84,8 @@ std::vector<SuiteParam> suite_params() {
   };
   std::vector<SuiteParam> params;
   for (const GroupParam& g : groups) {
-    for (MemoryModel m : {MemoryModel::kStrict, MemoryModel::kWeak}) {
-      for (Placement placement : {Placement::kDevice, Placement::kHost}) {
-        params.push_back(SuiteParam{g, m, placement});
-      }
+    for (const cpu_device_test::Mode& mode : cpu_device_test::all_modes()) {
+      params.push_back(SuiteParam{g, mode});
     }
   }
   return params;

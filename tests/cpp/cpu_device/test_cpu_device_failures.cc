@@ -57,15 +57,12 @@ struct Buffers {
 
 struct FailureParam {
   Protocol protocol;
-  MemoryModel memory;
-  Placement placement;
+  cpu_device_test::Mode mode;
 };
 
 std::string failure_name(const ::testing::TestParamInfo<FailureParam>& info) {
-  const FailureParam& p = info.param;
-  return std::string(p.protocol == Protocol::kLL ? "ll" : "flag") +
-         (p.memory == MemoryModel::kStrict ? "_strict" : "_weak") +
-         (p.placement == Placement::kDevice ? "_device" : "_host");
+  return std::string(info.param.protocol == Protocol::kLL ? "ll" : "flag") +
+         cpu_device_test::mode_name(info.param.mode);
 }
 
 class CpuDeviceFailure : public ::testing::TestWithParam<FailureParam> {};
@@ -76,13 +73,13 @@ TEST_P(CpuDeviceFailure, AMissingPeerTimesOutNamingIt) {
   const FailureParam& p = GetParam();
   constexpr uint64_t kGen = 0x1FFFFFFF0ull;  // past 2^32: the record carries 64 bits
   constexpr double kTimeout = 0.3;
-  CpuDeviceGroup group(plan::make_layout(kNumel, 2, 4), p.placement, kGen, kTimeout);
+  CpuDeviceGroup group(plan::make_layout(kNumel, 2, 4), p.mode.placement, kGen, kTimeout);
   const plan::Tactic tactic = two_rank_tactic(p.protocol, 2);
   const int id = group.add_schedule(two_rank_schedule(tactic));
   Buffers buf;
   const auto t0 = std::chrono::steady_clock::now();
   const LaunchStatus status = group.launch(id, tactic, DType::kBF16, buf.inputs, buf.outputs,
-                                           kNumel, DeviceOptions{p.memory, 3}, 0, 1);
+                                           kNumel, DeviceOptions{p.mode.memory, 3}, 0, 1);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_EQ(status, LaunchStatus::kTrapped);
   const auto d = group.failure();
@@ -116,7 +113,7 @@ TEST_P(CpuDeviceFailure, AMissingPeerTimesOutNamingIt) {
 TEST_P(CpuDeviceFailure, PeersThatDisagreeAboutTheCallReportAMismatch) {
   const FailureParam& p = GetParam();
   constexpr uint64_t kGen = 7;
-  CpuDeviceGroup group(plan::make_layout(kNumel, 2, 4), p.placement, kGen, 5.0);
+  CpuDeviceGroup group(plan::make_layout(kNumel, 2, 4), p.mode.placement, kGen, 5.0);
   const plan::Tactic tactic = two_rank_tactic(p.protocol, 1);
   const int id = group.add_schedule(two_rank_schedule(tactic));
   Buffers buf;
@@ -125,10 +122,10 @@ TEST_P(CpuDeviceFailure, PeersThatDisagreeAboutTheCallReportAMismatch) {
   LaunchStatus other = LaunchStatus::kCompleted;
   std::thread rank1([&] {
     other = group.launch(id, tactic, DType::kFP16, buf.inputs, buf.outputs, kNumel,
-                         DeviceOptions{p.memory, 5}, 1, 1, sig_fp16);
+                         DeviceOptions{p.mode.memory, 5}, 1, 1, sig_fp16);
   });
   const LaunchStatus mine = group.launch(id, tactic, DType::kBF16, buf.inputs, buf.outputs, kNumel,
-                                         DeviceOptions{p.memory, 6}, 0, 1, sig_bf16);
+                                         DeviceOptions{p.mode.memory, 6}, 0, 1, sig_bf16);
   rank1.join();
   EXPECT_TRUE(mine == LaunchStatus::kTrapped || other == LaunchStatus::kTrapped);
   const auto d = group.failure();
@@ -158,10 +155,8 @@ TEST_P(CpuDeviceFailure, PeersThatDisagreeAboutTheCallReportAMismatch) {
 std::vector<FailureParam> failure_params() {
   std::vector<FailureParam> params;
   for (Protocol protocol : {Protocol::kFlag, Protocol::kLL}) {
-    for (MemoryModel memory : {MemoryModel::kStrict, MemoryModel::kWeak}) {
-      for (Placement placement : {Placement::kDevice, Placement::kHost}) {
-        params.push_back(FailureParam{protocol, memory, placement});
-      }
+    for (const cpu_device_test::Mode& mode : cpu_device_test::all_modes()) {
+      params.push_back(FailureParam{protocol, mode});
     }
   }
   return params;

@@ -135,6 +135,13 @@ bool forwarded(const Cta& cta, const Thread& thread, uintptr_t addr, uint64_t& v
   return false;
 }
 
+// Strict mode, or outside a kernel: every word lands at once, in order.
+void write_now(uintptr_t base, const uint8_t* in, int bytes) {
+  for (int i = 0; i < bytes; i += 8) {
+    write_piece(base + i, piece_of(in + i, 8), 8, std::memory_order_release);
+  }
+}
+
 }  // namespace
 
 void store(void* addr, const void* value, int bytes) {
@@ -142,12 +149,7 @@ void store(void* addr, const void* value, int bytes) {
   const auto* in = static_cast<const uint8_t*>(value);
   const auto base = reinterpret_cast<uintptr_t>(addr);
   Cta* cta = weak_cta();
-  if (cta == nullptr) {
-    for (int i = 0; i < bytes; i += 8) {
-      write_piece(base + i, piece_of(in + i, 8), 8, std::memory_order_release);
-    }
-    return;
-  }
+  if (cta == nullptr) return write_now(base, in, bytes);
   for (int i = 0; i < bytes; i += cta->piece_bytes) {
     buffer(*cta, *cta->running, base + i, piece_of(in + i, cta->piece_bytes));
   }
@@ -158,12 +160,7 @@ void store_release(void* addr, const void* value, int bytes) {
   const auto* in = static_cast<const uint8_t*>(value);
   const auto base = reinterpret_cast<uintptr_t>(addr);
   Cta* cta = weak_cta();
-  if (cta == nullptr) {
-    for (int i = 0; i < bytes; i += 8) {
-      write_piece(base + i, piece_of(in + i, 8), 8, std::memory_order_release);
-    }
-    return;
-  }
+  if (cta == nullptr) return write_now(base, in, bytes);
   deliver_for_release(*cta, *cta->running);
   // The pieces of one release land in random order: only 8 bytes are single-copy atomic.
   const int n = bytes / cta->piece_bytes;
