@@ -7,6 +7,7 @@
 #include <exception>
 #include <iterator>
 #include <string>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "comm/communicator.h"
 #include "plan/layout.h"
@@ -36,7 +37,7 @@ plan::DType dtype_from_name(const std::string& name) {
 
 py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) {
   py::dict out;
-  const char* kinds[] = {"none", "timeout", "mismatch", "ll_timeout", "ll_mismatch"};
+  const char* kinds[] = {"none", "timeout", "mismatch", "ll_timeout", "ll_mismatch", "interrupted"};
   out["kind"] = d.kind < std::size(kinds) ? kinds[d.kind] : "unknown";
   out["rank"] = d.rank;
   out["peer"] = d.peer;
@@ -55,11 +56,46 @@ py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) 
   return out;
 }
 
+// The exception a signal handler raised inside a wait (KeyboardInterrupt for Ctrl-C), kept
+// from the moment the wait asked until the call's C++ unwinding reaches the translator below.
+// Raw references (a thread_local py::object would need the GIL at thread exit).
+struct PendingSignal {
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+};
+thread_local PendingSignal pending_signal;
+
+// The host transport's interrupt check (comm::Communicator::set_interrupt_check): runs the
+// interpreter's signal handlers, as time.sleep() does between its slices. Python runs them on
+// its main thread only, so elsewhere this costs a GIL round and answers false. A handler that
+// raises abandons the call and its exception is what the caller sees.
+bool python_signal_raised() {
+  if (!Py_IsInitialized() || Py_IsFinalizing()) return false;
+  const py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  PendingSignal& p = pending_signal;
+  Py_CLEAR(p.type);
+  Py_CLEAR(p.value);
+  Py_CLEAR(p.traceback);
+  PyErr_Fetch(&p.type, &p.value, &p.traceback);
+  return true;
+}
+
 // comm::Failure -> pcie_allreduce.PcieAllReduceTimeout(message, diagnostic), wherever it is
-// thrown: from a method of this module or from inside a torch op.
+// thrown: from a method of this module or from inside a torch op. comm::Interrupted -> the
+// exception the signal handler raised (KeyboardInterrupt), or KeyboardInterrupt(message).
 void translate_failure(std::exception_ptr thrown) {
   try {
     if (thrown) std::rethrow_exception(thrown);
+  } catch (const comm::Interrupted& e) {
+    PendingSignal& p = pending_signal;
+    if (p.type != nullptr) {
+      PyErr_Restore(p.type, p.value, p.traceback);  // steals the references
+      p = PendingSignal{};
+    } else {
+      PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+    }
   } catch (const comm::Failure& e) {
     const py::object type =
         py::module_::import("pcie_allreduce.errors").attr("PcieAllReduceTimeout");
@@ -345,7 +381,11 @@ void bind_communicator(py::module_& m) {
       "Every transport's canonical name and the aliases Options.transport also accepts.");
 
   py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(m, "Communicator")
-      .def(py::init<comm::Options>())
+      .def(py::init([](const comm::Options& options) {
+        auto c = std::make_shared<comm::Communicator>(options);
+        c->set_interrupt_check(&python_signal_raised);  // Ctrl-C ends a host-transport wait
+        return c;
+      }))
       .def("local_token", [](const comm::Communicator& c) { return py::bytes(c.local_token()); })
       .def("connect", &comm::Communicator::connect)
       .def("retire_token", &comm::Communicator::retire_token)
@@ -364,6 +404,7 @@ void bind_communicator(py::module_& m) {
            })
       .def("close_peers", &comm::Communicator::close_peers)
       .def("release", &comm::Communicator::release)
+      .def("forked", &comm::Communicator::forked)
       .def("enabled", &comm::Communicator::enabled)
       .def("disabled_reason",
            [](const comm::Communicator& c) { return optional_reason(c.options().disabled); })
@@ -403,6 +444,12 @@ void bind_communicator(py::module_& m) {
         return out;
       });
 
+  // c10d's Work.abort(), which torch does not bind: ends a gloo send or receive that a thread
+  // is blocked in (its wait() returns False). The bootstrap's exit hook uses it so that no
+  // thread of ours is still inside gloo when the interpreter finalizes.
+  m.def(
+      "abort_work", [](c10d::Work* work) { work->abort(); }, py::arg("work"),
+      py::call_guard<py::gil_scoped_release>());
   m.def("register_communicator", &comm::register_communicator);
   m.def("unregister_communicator", &comm::unregister_communicator);
   py::register_exception_translator(&translate_failure);

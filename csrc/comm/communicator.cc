@@ -6,10 +6,13 @@
 #include <ATen/core/stack.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <mutex>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -72,6 +75,20 @@ void* current_stream(int device) {
   return impl->getStreamNativeHandle(impl->getStream(d));
 }
 
+// Counts the forks this process has come out of as the child: a communicator remembers the count
+// it was made under, so a child's use is told apart with one relaxed load per call (no getpid()
+// system call on the decode path).
+std::atomic<uint64_t> forks_survived{0};
+
+uint64_t fork_generation() {
+  static std::once_flag registered;
+  std::call_once(registered, [] {
+    pthread_atfork(nullptr, nullptr,
+                   [] { forks_survived.fetch_add(1, std::memory_order_relaxed); });
+  });
+  return forks_survived.load(std::memory_order_relaxed);
+}
+
 }  // namespace
 
 // One (algorithm, direction, staged) installed in the workspace for this rank, and how much it
@@ -81,7 +98,8 @@ struct Communicator::InstalledProgram {
   std::vector<double> sent_fraction;  // per peer, as a multiple of the message
 };
 
-Communicator::Communicator(Options options) : options_(std::move(options)) {
+Communicator::Communicator(Options options)
+    : options_(std::move(options)), fork_generation_(fork_generation()), creator_pid_(getpid()) {
   table_ = options_.table_text.empty()
                ? plan::TuningTable::embedded()
                : plan::TuningTable::parse(options_.table_text, options_.table_source);
@@ -122,7 +140,27 @@ std::string Communicator::local_token() const {
   return workspace_ ? workspace_->local_token() : "";
 }
 
+bool Communicator::forked() const {
+  return forks_survived.load(std::memory_order_relaxed) != fork_generation_;
+}
+
+// Its peers know the process that created it as this rank; a forked child sharing the parent's
+// mappings would race the parent on the same slots and flags. Refused, as torch's own process
+// groups refuse a child.
+void Communicator::check_process() const {
+  if (!forked()) return;
+  throw std::runtime_error(
+      "this pcie_allreduce communicator (rank " + std::to_string(options_.rank) +
+      ") was created in process " + std::to_string(creator_pid_) + "; process " +
+      std::to_string(getpid()) +
+      " is a child forked from it and cannot use it (its peers know only the parent as rank " +
+      std::to_string(options_.rank) +
+      "): create a new communicator in the child, on its own process group, or start workers "
+      "with the spawn method");
+}
+
 void Communicator::connect(const std::vector<std::string>& tokens) {
+  check_process();
   if (!enabled()) return;
   if (static_cast<int>(tokens.size()) != options_.world) {
     throw std::invalid_argument("connect() needs one token per rank (" +
@@ -261,7 +299,7 @@ void Communicator::skip_call() {
   try {
     workspace_->run(call);
   } catch (const transport::TransportFailure& e) {
-    fail(e.diagnostic());
+    transport_failed(e);
   }
 }
 
@@ -342,7 +380,8 @@ void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) cons
 // and workspace serve one call at a time (one communicator, one thread, one stream).
 class Communicator::CallGuard {
  public:
-  explicit CallGuard(std::atomic<bool>& busy) : busy_(busy) {
+  explicit CallGuard(const Communicator& c, std::atomic<bool>& busy) : busy_(busy) {
+    c.check_process();
     if (busy_.exchange(true, std::memory_order_acquire)) {
       throw std::runtime_error(
           "two all-reduce calls entered one pcie_allreduce communicator at once (threads sharing "
@@ -359,13 +398,13 @@ class Communicator::CallGuard {
 };
 
 void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
-  const CallGuard guard(busy_);
+  const CallGuard guard(*this, busy_);
   raise_if_failed();
   reduce_into(inp, out);
 }
 
 int Communicator::prepare() {
-  const CallGuard guard(busy_);
+  const CallGuard guard(*this, busy_);
   if (!enabled()) return static_cast<int>(programs_.size());
   std::vector<int64_t> edges = {workspace_->layout().ll_capacity_bytes,
                                 workspace_->layout().ll_capacity_bytes + plan::kVectorBytes};
@@ -386,7 +425,7 @@ int Communicator::prepare() {
 }
 
 void Communicator::set_table(const std::string& text, const std::string& source) {
-  const CallGuard guard(busy_);
+  const CallGuard guard(*this, busy_);
   plan::TuningTable table = plan::TuningTable::parse(text, source);
   table_ = std::move(table);
   options_.table_text = text;
@@ -395,7 +434,7 @@ void Communicator::set_table(const std::string& text, const std::string& source)
 }
 
 at::Tensor Communicator::all_reduce(const at::Tensor& inp) {
-  const CallGuard guard(busy_);
+  const CallGuard guard(*this, busy_);
   raise_if_failed();
   at::Tensor out = at::empty(inp.sizes(), inp.options());  // contiguous, whatever inp's strides
   reduce_into(inp, out);
@@ -445,12 +484,20 @@ void Communicator::run_kernels(const Decision& decision, plan::DType dtype, cons
   try {
     workspace_->run(call);
   } catch (const transport::TransportFailure& e) {
-    fail(e.diagnostic());
+    transport_failed(e);
   }
   ++*decision.calls;
   const auto bytes = static_cast<double>(inp.nbytes());
   const auto& sent = decision.program->sent_fraction;
   for (size_t p = 0; p < sent.size(); ++p) bytes_sent_[p] += static_cast<int64_t>(sent[p] * bytes);
+}
+
+void Communicator::transport_failed(const transport::TransportFailure& e) {
+  if (e.diagnostic().kind == static_cast<uint32_t>(plan::FailureKind::kInterrupted)) {
+    failure_ = e.diagnostic();  // the ranks are out of step now, as after a timeout
+    throw Interrupted(e.diagnostic(), e.what());
+  }
+  fail(e.diagnostic());
 }
 
 void Communicator::fail(const plan::Diagnostic& diagnostic) {
@@ -468,12 +515,17 @@ void Communicator::raise_if_failed() {
   }
 }
 
+void Communicator::set_interrupt_check(std::function<bool()> check) {
+  if (workspace_) workspace_->set_interrupt_check(std::move(check));
+}
+
 std::optional<plan::Diagnostic> Communicator::failure() const {
   if (failure_) return failure_;
   return workspace_ ? workspace_->failure() : std::nullopt;
 }
 
 void Communicator::probe_write(uint32_t nonce) {
+  check_process();
   if (workspace_ && enabled()) workspace_->probe_write(nonce);
 }
 
@@ -492,6 +544,7 @@ void Communicator::disable(Decline reason, std::string detail) {
 }
 
 void Communicator::close_peers() {
+  check_process();
   if (workspace_) workspace_->close_peers();
 }
 
@@ -499,7 +552,9 @@ void Communicator::release() {
   if (released_) return;
   released_ = true;
   connected_ = false;
-  if (workspace_) workspace_->release();
+  // A child leaves the parent's workspace alone (its mappings end with it); the parent, whose
+  // peers still use it, releases it.
+  if (workspace_ && !forked()) workspace_->release();
   if (enabled()) {
     options_.disabled = Decline::kDisabled;
     options_.disabled_detail = "destroy() was called";

@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,6 +37,7 @@
 
 namespace pcie_ar::transport {
 class Workspace;
+class TransportFailure;
 }  // namespace pcie_ar::transport
 
 namespace pcie_ar::comm {
@@ -156,8 +158,12 @@ class Communicator {
   // Turns the kernels off for good (every rank must call it with the same verdict).
   void disable(Decline reason, std::string detail);
 
+  // Both refuse a forked child (std::runtime_error), like every call; release() is the one thing
+  // a child may do, and it leaves the parent's workspace alone.
   void close_peers();  // collective teardown, step 1
   void release();      // step 2, after a barrier
+  // True in a child forked from the process that created this communicator.
+  bool forked() const;
 
   Stats stats() const;
   // Puts every counter back to an earlier stats(): the tuner's measurement calls are not
@@ -183,6 +189,10 @@ class Communicator {
   std::optional<plan::Diagnostic> failure() const;
   // Polls the transport for a failure recorded asynchronously (CUDA kernels) and raises it.
   void raise_if_failed();
+  // Installs what the host transport's waits ask, every 20 ms once they have yielded, whether
+  // to abandon the call (transport::Workspace::set_interrupt_check). An abandoned call throws
+  // Interrupted and leaves the communicator failed, like a timeout.
+  void set_interrupt_check(std::function<bool()> check);
 
  private:
   struct InstalledProgram;  // one (algorithm, direction, staged, protocol) in the workspace
@@ -197,6 +207,7 @@ class Communicator {
   Decision& decide(plan::DType dtype, int64_t bytes);
   InstalledProgram& program_for(const plan::Tactic& tactic);
   class CallGuard;
+  void check_process() const;  // throws in a forked child
   void check_call(const at::Tensor& inp, const at::Tensor& out) const;
   void reduce_into(const at::Tensor& inp, at::Tensor& out);
   void run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
@@ -207,6 +218,8 @@ class Communicator {
   void skip_call();
   void note_decline(Decline decline, const at::Tensor& t);
   [[noreturn]] void fail(const plan::Diagnostic& diagnostic);
+  // Failure, or Interrupted for a call the interrupt check abandoned; the communicator is failed.
+  [[noreturn]] void transport_failed(const transport::TransportFailure& e);
   void log(int level, const std::string& message) const;
 
   Options options_;
@@ -224,6 +237,8 @@ class Communicator {
   bool connected_ = false;
   int skip_program_ = -1;  // plan::skip_program in the workspace, once connected
   bool released_ = false;
+  uint64_t fork_generation_;  // forks this process had survived as a child when it was made
+  int creator_pid_;
 };
 
 // Communicators reachable from the torch ops by an integer handle.
@@ -241,6 +256,13 @@ class Failure : public std::runtime_error {
 
  private:
   plan::Diagnostic diagnostic_;
+};
+
+// A call abandoned because the interrupt check said so (Ctrl-C): the communicator is failed
+// (later calls raise Failure); the bindings raise the interpreter's own exception instead.
+class Interrupted : public Failure {
+ public:
+  using Failure::Failure;
 };
 
 }  // namespace pcie_ar::comm

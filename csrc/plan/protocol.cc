@@ -73,6 +73,13 @@ std::string describe_failure(const Diagnostic& d, double timeout_s) {
                     d.peer, d.flag, static_cast<unsigned>(d.gen_seen), d.rank, d.numel, d.signature,
                     d.peer_signature, d.peer);
       return buf;
+    case FailureKind::kInterrupted:
+      std::snprintf(buf, sizeof(buf),
+                    "rank %u was interrupted (a signal, such as Ctrl-C) at step %u (stage %u, "
+                    "block %u) while waiting for rank %u, and abandoned the call mid-way: its "
+                    "peers time out waiting for it",
+                    d.rank, d.step, d.stage, d.block, d.peer);
+      return buf;
     default:
       return "no failure recorded";
   }

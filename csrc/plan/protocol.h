@@ -70,10 +70,11 @@ PCIE_AR_HD bool ll_foreign(uint32_t seen, uint32_t expected) {
 
 enum class FailureKind : uint32_t {
   kNone = 0,
-  kTimeout = 1,     // a flag never reached this generation
-  kMismatch = 2,    // a flag reached it, but for a different call (or a later generation)
-  kLLTimeout = 3,   // an LL vector never arrived
-  kLLMismatch = 4,  // an LL vector arrived tagged for a different call or generation
+  kTimeout = 1,      // a flag never reached this generation
+  kMismatch = 2,     // a flag reached it, but for a different call (or a later generation)
+  kLLTimeout = 3,    // an LL vector never arrived
+  kLLMismatch = 4,   // an LL vector arrived tagged for a different call or generation
+  kInterrupted = 5,  // this rank abandoned the call in a wait (a signal: Ctrl-C); host only
 };
 
 // What an executor records before it fails, where the host can read it (mapped host memory on

@@ -61,6 +61,9 @@ class HostShmWorkspace final : public Workspace {
   // call mismatch, and after one refuses every call.
   void run(const Call& call) override;
   std::optional<plan::Diagnostic> failure() const override { return executor_.failure(); }
+  void set_interrupt_check(std::function<bool()> check) override {
+    executor_.set_interrupt_check(std::move(check));
+  }
 
   void close_peers() override { segments_.close_peers(); }  // unmaps the peers' segments
   void release() override { segments_.release(); }          // unmaps and unlinks our own

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -114,6 +115,10 @@ class Workspace {
   virtual void run(const Call& call) = 0;
   // The failure that stopped this workspace, if any (read from mapped memory on the GPU).
   virtual std::optional<plan::Diagnostic> failure() const = 0;
+  // What a host-side wait asks, now and then, whether to abandon the call (true: it fails with
+  // plan::FailureKind::kInterrupted). Only the host transport waits on the host; a GPU
+  // transport's waits run on the device and ignore it.
+  virtual void set_interrupt_check(std::function<bool()> check) { (void)check; }
 
   // ---- teardown (collective): close_peers() on every rank, a barrier, release().
   virtual void close_peers() = 0;

@@ -7,11 +7,16 @@ every peer's until a deadline, so when a rank does not arrive the others raise
 :class:`PcieAllReduceTimeout` naming it, within the timeout, and nothing but torch is needed.
 
 A failed exchange leaves unmatched messages in ``cpu_group`` (and a daemon thread blocked on
-each): re-create the process group before constructing again after a construction error.
+each): re-create the process group before constructing again after a construction error. At
+interpreter exit those waits are aborted and their threads joined (``_Waits.close``), so no
+thread of ours is inside gloo when the interpreter finalizes: a daemon thread woken there (its
+peer exited) is ended with ``pthread_exit``, whose forced unwind through pybind11 aborts the
+process.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -30,6 +35,67 @@ _TAGS = {"length": 0x50410, "data": 0x50411, "leave": 0x50412}
 # Sends nobody waits for (to or from a failed rank): alive for the life of the process, so
 # gloo can still deliver them and the pair's later messages are not blocked.
 _never_taken: List[Any] = []
+
+
+class _Aborted(Exception):
+    """A peer thread's wait was aborted at interpreter exit."""
+
+
+class _Waits:
+    """Every gloo wait a peer thread of this process is in, so that interpreter exit can end
+    them (c10d's Work.abort) and join their threads before finalization."""
+
+    # Joined threads get this long in all: an aborted wait returns at once.
+    JOIN_S = 2.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: Dict[int, Any] = {}  # thread ident -> the work it waits for
+        self._threads: List[threading.Thread] = []
+        self._closing = False
+
+    def start(self, thread: threading.Thread) -> None:
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def wait(self, work: Any) -> None:
+        """work.wait(), unless interpreter exit aborted it (then _Aborted)."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._closing:
+                raise _Aborted()
+            self._current[me] = work
+        try:
+            completed = work.wait()
+        finally:
+            with self._lock:
+                self._current.pop(me, None)
+        if completed is False or self._closing:
+            raise _Aborted()
+
+    def close(self) -> None:
+        """The exit hook: aborts every wait in progress and joins every peer thread."""
+        with self._lock:
+            self._closing = True
+            works = list(self._current.values())
+            threads = [t for t in self._threads if t.is_alive()]
+        if not threads:
+            return
+        from .native import _C
+
+        for work in works:
+            try:
+                _C.abort_work(work)
+            except Exception:  # noqa: BLE001 - a work torch already finished needs nothing
+                pass
+        deadline = time.monotonic() + self.JOIN_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+_WAITS = _Waits()
+atexit.register(_WAITS.close)
 
 
 class Bootstrap:
@@ -118,12 +184,13 @@ class Bootstrap:
         def run(peer: int) -> None:
             if peer in into:
                 while True:
-                    dist.irecv(into[peer], self._global(peer), self.group, _TAGS[kind]).wait()
+                    _WAITS.wait(dist.irecv(into[peer], self._global(peer), self.group,
+                                           _TAGS[kind]))
                     if until is None or until(into[peer]):
                         break
             if peer in sends:
                 if takes_ours is None or takes_ours(peer):
-                    sends[peer].wait()
+                    _WAITS.wait(sends[peer])
                 else:
                     _never_taken.append(sends[peer])
 
@@ -149,8 +216,8 @@ class Bootstrap:
                 changed.notify()
 
         for p in peers:
-            threading.Thread(target=guarded, args=(p,), daemon=True,
-                             name=f"pcie_allreduce-peer-{p}").start()
+            _WAITS.start(threading.Thread(target=guarded, args=(p,), daemon=True,
+                                          name=f"pcie_allreduce-peer-{p}"))
         with changed:
             while len(done) < len(peers):
                 self._raise_failed(done, step)

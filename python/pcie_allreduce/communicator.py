@@ -273,6 +273,11 @@ class PcieAllReduce:
             return
         self._destroyed = True
         _C.unregister_communicator(self.handle)
+        if self._comm.forked():
+            # A forked child owns none of this: its parent is the rank its peers know, and still
+            # uses the workspace and the group. Nothing is said to the peers, nothing is freed.
+            self._comm.release()
+            return
         failed = self._comm.failure() is not None
         self._comm.close_peers()
         try:

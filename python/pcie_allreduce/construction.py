@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import policy
+from . import files, policy
 from .bootstrap import Bootstrap
 from .env import read_env
 from .native import _C
@@ -94,12 +94,15 @@ def read_table(request: policy.TableRequest) -> Table:
     text = request.text if request.text is not None else ""
     if request.path is not None:
         file = Path(request.path)
-        if not file.is_file():
-            problem = "is a directory" if file.is_dir() else "does not exist"
-            raise FileNotFoundError(f"{request.what} {request.path!r} {problem}; expected a "
-                                    "tuning-table CSV file")
         try:
-            text = file.read_bytes().decode("utf-8")
+            text = files.read_small(file, in_cache=False).decode("utf-8")
+        except (FileNotFoundError, IsADirectoryError) as error:
+            problem = "is a directory" if isinstance(error, IsADirectoryError) else \
+                "does not exist"
+            raise FileNotFoundError(f"{request.what} {request.path!r} {problem}; expected a "
+                                    "tuning-table CSV file") from None
+        except files.Refused as error:  # a FIFO, a device, a file of many megabytes
+            raise ValueError(f"{request.what}: {error}") from None
         except UnicodeDecodeError as error:
             raise ValueError(f"{request.what} {request.path!r} is not a text tuning table (not "
                              f"UTF-8 at byte {error.start})") from None

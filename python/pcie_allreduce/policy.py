@@ -280,13 +280,19 @@ def check_max_numel(value: Any, source: str, shown: Any = None) -> int:
     return number
 
 
+# The longest wait that every clock on the way holds: the store's timedelta, the kernels'
+# nanosecond deadline and the bootstrap's millisecond waits (1e10 s overflowed one of them).
+MAX_TIMEOUT_S = 1_000_000_000
+
+
 def check_timeout(value: Any, source: str, shown: Any = None) -> float:
     """``value`` in seconds when it is a finite number >= 0 (0 waits forever), else a
     ValueError naming ``source`` and what it gave (``shown``: the text, for an env flag)."""
     number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1.0
-    if not 0 <= number < float("inf"):
-        raise ValueError(f"{source} must be a finite number of seconds >= 0 (0 waits forever), "
-                         f"got {value if shown is None else shown!r}")
+    if not 0 <= number <= MAX_TIMEOUT_S:
+        raise ValueError(f"{source} must be a finite number of seconds >= 0 and at most "
+                         f"{MAX_TIMEOUT_S} (about 31 years; 0 waits forever), got "
+                         f"{value if shown is None else shown!r}")
     return float(number)
 
 

@@ -20,13 +20,13 @@ from .native import _C
 
 def run_nvidia_smi(args: List[str]) -> Optional[str]:
     """stdout of ``nvidia-smi ARGS``, or None when nvidia-smi is missing, fails or prints
-    nothing."""
+    nothing, or prints bytes that are not UTF-8 (a broken driver install is a failed probe)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
         done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired, UnicodeDecodeError):
         return None
     return done.stdout if done.returncode == 0 and done.stdout.strip() else None
 

@@ -3,6 +3,7 @@
 // parent checks the results, the diagnostics and /dev/shm afterwards.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -236,6 +237,43 @@ TEST(HostShm, TimeoutNamesThePeerThatNeverCalled) {
   }
   EXPECT_TRUE(someone_named_rank2);
   EXPECT_EQ(g.reports[2].outcome, kReturned) << describe_child(g, 2);
+}
+
+// Issue 26, item 3: a wait that has yielded asks the interrupt check now and then, and a true
+// abandons the call at once with kInterrupted at that step (recorded: the next call is refused),
+// long before the deadline; flag and LL waits alike. Rank 1 never calls. The timeout is long
+// (10 s) so that only the check can end the wait.
+TEST(HostShm, AnInterruptCheckThatSaysStopEndsAWaitAtOnceAndFailsTheWorkspace) {
+  for (const plan::Protocol protocol : {plan::Protocol::kFlag, plan::Protocol::kLL}) {
+    SCOPED_TRACE(std::string(plan::protocol_name(protocol)));
+    GroupSpec spec = short_timeout_group(2, 5);
+    spec.timeout_s = 10.0;
+    auto tactic = make_tactic(Algorithm::kOneshot, Direction::kPush, false);
+    tactic.protocol = protocol;
+    const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
+      if (env.rank == 1) {
+        const double deadline = now_s() + 15.0;
+        while (now_s() < deadline && outcome_of(env.arena, 0) == kRunning) sched_yield();
+        return;
+      }
+      int asked = 0;
+      ws.set_interrupt_check([&asked] { return ++asked == 3; });  // the third look says stop
+      timed_call(ws, env, tactic, 2, 64);
+      env.report->calls_done = asked;
+    });
+    expect_clean(g);
+    const RankReport& rep = g.reports[0];
+    SCOPED_TRACE(describe_child(g, 0));
+    ASSERT_EQ(rep.error_type, kTransportError);
+    EXPECT_EQ(rep.diagnostic.kind, static_cast<uint32_t>(plan::FailureKind::kInterrupted));
+    EXPECT_EQ(rep.diagnostic.rank, 0u);
+    EXPECT_EQ(rep.diagnostic.peer, 1u);
+    EXPECT_NE(std::string(rep.message).find("rank 0 was interrupted"), std::string::npos);
+    EXPECT_EQ(rep.calls_done, 3) << "the check was asked again after it said stop";
+    // Three looks 20 ms apart, not the 10 s deadline.
+    EXPECT_LT(rep.failure_elapsed_s, 10.0 * 0.5);
+    EXPECT_EQ(rep.scenario_ok, 1) << "a call after the interruption was not refused at once";
+  }
 }
 
 // Issue 26, item 1: rank 0 sends a call to the fallback (it runs plan::skip_program, as the

@@ -128,8 +128,10 @@ def test_tune_refusals_and_bad_arguments_exit_2_saying_why(tmp_path):
     assert done.returncode == 2 and "PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1" in done.stderr
     assert "measured nothing" in done.stderr
     assert not list(tmp_path.glob("*.csv"))
-    done = run_cli("tune", "--transport", "host", "--budget", "0")
-    assert done.returncode == 2 and "--budget" in done.stderr
+    for budget in ("0", "inf", "nan"):  # inf once passed the check and failed both ranks (exit 1)
+        done = run_cli("tune", "--transport", "host", "--budget", budget)
+        assert done.returncode == 2 and "--budget must be a positive, finite" in done.stderr, (
+            budget, done.returncode, done.stderr)
     done = run_cli("tune", "--transport", "host", "--world", "1")
     assert done.returncode == 2 and "2..8" in done.stderr
 
@@ -144,3 +146,18 @@ def test_doctor_gives_a_verdict_here_and_on_a_recorded_nvlink_host():
     assert nvlink.returncode == 1 and report["ok"] is False and "nvlink" in report["verdict"].lower()
     text = run_cli("doctor", "--fixture", str(fixtures / "two_socket_8gpu"), "--no-p2p-test")
     assert text.returncode == 0 and text.stdout.strip().splitlines()[-1].startswith("verdict:")
+
+
+def test_doctor_gives_a_verdict_when_nvidia_smi_prints_bytes_that_are_not_utf8(tmp_path):
+    """A broken driver install whose nvidia-smi prints garbage is a failed probe, not a crash
+    (it exited 2 with no verdict, from a UnicodeDecodeError)."""
+    import os
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_bytes(b"#!/bin/sh\nprintf 'GPU0\\377\\376 X\\n'\n")
+    fake.chmod(0o755)
+    done = run_cli_env({"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}, "doctor", "--json",
+                       "--no-p2p-test")
+    assert done.returncode in (0, 1), done.stderr
+    report = json.loads(done.stdout)
+    assert isinstance(report["verdict"], str) and report["verdict"], report

@@ -40,6 +40,10 @@ def test_values_parse():
         ("PCIE_ALLREDUCE_MAX_NUMEL", "abc", "positive multiple of 8 (elements), got 'abc'"),
         ("PCIE_ALLREDUCE_MAX_NUMEL", "12", "positive multiple of 8"),
         ("PCIE_ALLREDUCE_TIMEOUT_S", "-1", "seconds >= 0"),
+        # 1e10 passed here and overflowed at construction (OverflowError) before.
+        ("PCIE_ALLREDUCE_TIMEOUT_S", "1e10", "at most 1000000000 (about 31 years; 0 waits "
+         "forever), got '1e10'"),
+        ("PCIE_ALLREDUCE_TIMEOUT_S", "inf", "at most 1000000000"),
         ("PCIE_ALLREDUCE_ENABLE", "maybe", "must be 1/0"),
         ("PCIE_ALLREDUCE_LOG_LEVEL", "loud", "0/1/2"),
         ("PCIE_ALLREDUCE_HOST_REDUCE", "sse2", "one of auto, scalar, avx2, avx512, got 'sse2'"),

@@ -26,6 +26,21 @@ def test_import_and_disabled_engine_plugins_load_neither_the_extension_nor_torch
     assert done.returncode == 0, done.stderr
 
 
+def test_enabled_engine_plugins_without_their_engine_both_warn_and_neither_raises():
+    """SGLang's register() raised ModuleNotFoundError where vLLM's warned; both now warn, name
+    what is missing, and leave the process running (this venv has neither engine)."""
+    done = _run("import importlib.util, sys\n"
+                "assert not importlib.util.find_spec('vllm') and not importlib.util.find_spec("
+                "'sglang'), 'an engine is installed here'\n"
+                "from pcie_allreduce.integrations import sglang, vllm\n"
+                "vllm.register()\nsglang.register()\nprint('still running')\n",
+                PCIE_ALLREDUCE_ENABLE="1")
+    assert done.returncode == 0 and "still running" in done.stdout, done.stderr
+    assert "vLLM's CUDA communicator cannot be imported" in done.stderr, done.stderr
+    assert "SGLang's plugin hooks cannot be imported (ModuleNotFoundError" in done.stderr, \
+        done.stderr
+
+
 def test_the_runtime_imports_no_tool_at_module_level():
     """The tools (CLI, bench, tune, topo, doctor, the tuner) stay apart: a runtime module reaches
     the tuner only inside PcieAllReduce.tune()."""

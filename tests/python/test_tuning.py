@@ -395,3 +395,24 @@ def test_the_cache_loader_never_raises_on_damaged_files(tmp_path):
             _C.TuningTable.parse(found.text, "cache")  # a table it hands out always parses
         outcomes.add((found.problem or "valid").split(" ")[0])
     assert {"truncated", "corrupt"} <= outcomes
+
+
+def _rounds_under(rank: int, world: int, cache_dir: str, budget_s: float) -> List[int]:
+    os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
+    from pcie_allreduce import PcieAllReduce
+
+    ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
+    report = ar.tune(dtypes=["bf16"], force=True, max_bytes=4096, budget_s=budget_s,
+                     progress=False)
+    ar.destroy()
+    return [c["rounds"] for c in report["choices"]]
+
+
+def test_a_small_budget_stops_the_rounds_instead_of_being_overrun(tmp_path, clean_shm):
+    """Ten rounds per bucket always ran, so a tune overran its budget 5-10x; a spent budget now
+    stops a bucket after three rounds (every rank alike: the stop is computed from gathered
+    numbers), and a generous one still runs at least the ten."""
+    tight = run_ranks(_rounds_under, 2, str(tmp_path / "tight"), 0.02).values()
+    assert tight[0] == tight[1] and tight[0] and set(tight[0]) == {3}, tight
+    roomy = run_ranks(_rounds_under, 2, str(tmp_path / "roomy"), QUICK["budget_s"]).values()
+    assert roomy[0] == roomy[1] and min(roomy[0]) >= 10, roomy

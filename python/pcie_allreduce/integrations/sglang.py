@@ -72,7 +72,15 @@ def register() -> None:
     global _registered
     if _registered or not common.enabled():
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except Exception as error:  # noqa: BLE001 - any import failure means: not on this SGLang
+        # As vLLM's register() does: a plugin the operator enabled says why it does nothing,
+        # and the server it was loaded into keeps running.
+        logger.warning("pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 but SGLang's plugin hooks "
+                       "cannot be imported (%s: %s); SGLang keeps its own all-reduce",
+                       type(error).__name__, error)
+        return
 
     HookRegistry.register(HOOK_TARGET, _after_group_init, HookType.AFTER)
     _registered = True

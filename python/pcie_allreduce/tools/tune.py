@@ -40,8 +40,8 @@ def _tune_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: 
 def _tune_problem(args: argparse.Namespace) -> Optional[str]:
     if args.max_bytes < 16:
         return f"--max-bytes must be at least 16, got {args.max_bytes}"
-    if not args.budget > 0:
-        return f"--budget must be a positive number of seconds, got {args.budget}"
+    if not 0 < args.budget < float("inf"):
+        return f"--budget must be a positive, finite number of seconds, got {args.budget}"
     return json_problem(args)
 
 

@@ -4,7 +4,10 @@
 The file is the tuning-table format with the measured times as extra columns, a comment header
 (magic line, format, library version, fingerprint, date, devices, the fingerprint's inputs) and
 a checksum line last. It is written atomically under an ``flock``; a file that is truncated,
-corrupt, foreign or of another format is reported and ignored, never trusted, never fatal.
+corrupt, foreign or of another format is reported and ignored, never trusted, never fatal. Every
+file of the folder is opened through ``files`` (no FIFO, device or symlink; owner, mode and size
+checked; a folder others can write is refused), so a second local user cannot feed a rank a
+table or have a tune overwrite a file.
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
-from .. import __version__
+from .. import __version__, files
 from ..env import read_env
 from ..native import _C
 from ..policy import CACHE_FORMAT
@@ -54,9 +57,11 @@ def read_cache(path: Path, fp: str) -> CacheRead:
     """Loads a cache file, or says why it cannot be used (missing trailer = truncated, a bad
     checksum = corrupt, another fingerprint or format = foreign). Never raises for content."""
     try:
-        raw = Path(path).read_bytes()
+        raw = files.read_small(Path(path), in_cache=True)
     except FileNotFoundError:
         return CacheRead(Path(path))
+    except files.Refused as error:
+        return CacheRead(Path(path), problem=f"refused: {error}")
     except OSError as error:
         return CacheRead(Path(path), problem=f"unreadable ({error.strerror or error})")
     try:
@@ -91,7 +96,9 @@ def read_cache(path: Path, fp: str) -> CacheRead:
 def write_cache(path: Path, fp: str, fields: Mapping[str, Any], rows: str, measured: int) -> None:
     """Writes a cache file atomically: a temporary file in the same folder, fsynced, then
     renamed over ``path``, so a reader sees the old file or the new one, never a torn one.
-    The last line is a checksum of everything before it (a truncated file has none)."""
+    The last line is a checksum of everything before it (a truncated file has none). The
+    caller holds the lock: a temporary file of ``path`` found now was left by a writer that
+    was killed, and is removed. Raises OSError (``files.Refused`` for an untrusted folder)."""
     header = [
         CACHE_MAGIC,
         f"# format: {CACHE_FORMAT}",
@@ -104,18 +111,22 @@ def write_cache(path: Path, fp: str, fields: Mapping[str, Any], rows: str, measu
         "# Written by `pcie-allreduce tune` / PcieAllReduce.tune(); delete it to measure again.",
     ]
     body = "\n".join(header) + "\n" + rows
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body + f"# checksum {_checksum(body)}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    files.ensure_folder(path.parent)
+    remove_stale_temporaries(path)
+    files.write_atomic(path, (body + f"# checksum {_checksum(body)}\n").encode("utf-8"))
+
+
+def remove_stale_temporaries(path: Path) -> int:
+    """Removes what killed writers of ``path`` left (``.<name>.*.tmp``, regular files of this
+    user); returns how many. Only under the lock: a live writer's file would go too."""
+    removed = 0
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            st = os.lstat(tmp)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(tmp)
+                removed += 1
+    return removed
 
 
 class CacheLock:
@@ -128,8 +139,7 @@ class CacheLock:
 
     def try_acquire(self) -> bool:
         if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd = files.open_lock(self.path)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
@@ -141,8 +151,8 @@ class CacheLock:
         return True
 
     def holder(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.path.read_text().strip() or "unknown"
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            return files.read_small(self.path, in_cache=True).decode().strip() or "unknown"
         return "unknown"
 
     def release(self) -> None:

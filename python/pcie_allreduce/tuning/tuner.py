@@ -36,6 +36,7 @@ logger = logging.getLogger("pcie_allreduce")
 _HOST_SHAPES = ((1, 32), (2, 32))  # (blocks, threads): the host executor ignores threads
 _CUDA_SHAPES = tuple((b, t) for b in (4, 8, 16, 32) for t in (256, 512))
 _MIN_ROUNDS = 10
+_FLOOR_ROUNDS = 3  # a bucket whose budget is spent stops here, short of _MIN_ROUNDS
 _MAX_ROUNDS = 60
 _PRECISION = 0.01  # stop once every finalist's ratio to the incumbent is known to 1 %
 _FINALIST = 1.25  # after the minimum rounds only contenders this close to the best are timed
@@ -263,7 +264,7 @@ class _Tuner:
         """Interleaved rounds (each contender timed once per round, in a rotating order). After
         the minimum rounds only the finalists (within 25 % of the best, and the incumbent) are
         timed, until each one's ratio to the incumbent is known to 1 % or the bucket's budget
-        is spent. Every rank computes the same stop from the same gathered numbers."""
+        is spent (then after _FLOOR_ROUNDS at least, even short of the minimum). Every rank computes the same stop from the same gathered numbers."""
         labels = list(contenders)
         probe = []
         for label in labels:
@@ -271,7 +272,9 @@ class _Tuner:
             call()
             probe.append(self._timed(call, 3, label, size))
         slowest = [max(col) for col in zip(*self.ar.gather(probe, "tune: probe"))]
-        calls = {label: int(min(500, max(3, _BLOCK_SECONDS / max(t, 1e-7))))
+        # Blocks short enough that the minimum rounds fit in half the bucket's budget.
+        block = min(_BLOCK_SECONDS, budget_s / (2 * _MIN_ROUNDS * len(labels)))
+        calls = {label: int(min(500, max(3, block / max(t, 1e-7))))
                  for label, t in zip(labels, slowest)}
         samples: Dict[str, List[float]] = {label: [] for label in labels}
         active = list(labels)
@@ -288,6 +291,8 @@ class _Tuner:
             for label in active:
                 samples[label].append(max(e["t"][label] for e in everyone))
             elapsed = max(e["elapsed"] for e in everyone)
+            if round_no + 1 >= _FLOOR_ROUNDS and elapsed > budget_s:
+                break  # the budget is the operator's: a few rounds' median rather than overrun
             if round_no + 1 < _MIN_ROUNDS:
                 continue
             ratios = {label: median([t / i for t, i in zip(samples[label], samples[incumbent])])
@@ -353,10 +358,18 @@ def _lock_cache(ar: Any, path: Path, wait_s: float) -> Optional[cache.CacheLock]
     while True:
         state = None
         if lock is not None:
-            state = "held" if lock.try_acquire() else f"busy (pid {lock.holder()})"
+            try:
+                state = "held" if lock.try_acquire() else f"busy (pid {lock.holder()})"
+            except OSError as error:  # an unwritable or untrusted folder (files.Refused)
+                # Said to every rank, which all raise it now: rank 0 alone raising would leave
+                # the others waiting out the timeout for a gather it never joins.
+                state = f"error: {error}"
         state = ar.gather(state, "tune: cache lock")[0]
         if state == "held":
             return lock
+        if state.startswith("error: "):
+            raise TuneError(f"rank 0 cannot lock the cache {path}.lock ({state[7:]}); "
+                            "measured nothing")
         if time.monotonic() > deadline:
             raise TuneError(f"another tune of this host holds {path}.lock ({state}) for more "
                             f"than {wait_s:.0f} s; measured nothing")

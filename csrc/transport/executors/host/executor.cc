@@ -45,6 +45,9 @@ constexpr int kPollsPerClockCheck = 8;
 // Beyond this a timeout is indistinguishable from "forever", and the deadline arithmetic
 // would overflow.
 constexpr double kMaxFiniteTimeoutS = 1e9;
+// A wait that has given its core away asks the interrupt check this often (an operator's Ctrl-C
+// surfaces within it); a wait that ends within its spin never asks.
+constexpr auto kInterruptCheckEvery = std::chrono::milliseconds(20);
 
 // Tells the core a spin-wait is in progress (frees pipeline resources for a sibling
 // hyperthread, which may be the peer we wait for).
@@ -56,17 +59,19 @@ inline void cpu_relax() {
 #endif
 }
 
-// How long a wait may poll: the deadline of every wait, or none.
+// How long a wait may poll: the deadline of every wait, or none, and what may end it early.
 struct WaitBudget {
   double seconds;  // as configured, for messages; 0 waits forever
   bool bounded;
   std::chrono::steady_clock::duration timeout;
+  const HostExecutor::InterruptCheck* interrupt;  // nullptr when none is installed
 
-  explicit WaitBudget(double timeout_s)
+  WaitBudget(double timeout_s, const HostExecutor::InterruptCheck* interrupt_check)
       : seconds(timeout_s),
         bounded(timeout_s > 0.0 && timeout_s < kMaxFiniteTimeoutS),
         timeout(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-            std::chrono::duration<double>(bounded ? timeout_s : 0.0))) {}
+            std::chrono::duration<double>(bounded ? timeout_s : 0.0))),
+        interrupt(interrupt_check) {}
 };
 
 // Polls `load()` until `done(value)`: spins briefly, then yields (ranks may outnumber cores),
@@ -298,7 +303,7 @@ class BlockPass {
                                         const uint32_t tag = plan::ll_word_tag(w);
                                         return tag == expected || plan::ll_foreign(tag, expected);
                                       },
-                                      budget_, [&] { idle(index); });
+                                      budget_, [&] { idle(index, step, src.writer); });
     const uint32_t tag = plan::ll_word_tag(seen);
     if (tag == expected) return seen;
     const auto kind = plan::ll_foreign(tag, expected) ? plan::FailureKind::kLLMismatch
@@ -322,7 +327,7 @@ class BlockPass {
     plan::FlagSeen seen{
         await_value([&] { return gen.load(std::memory_order_acquire); },
                     [expected](uint64_t g) { return plan::gen_reached(g, expected); }, budget_,
-                    [&] { idle(index); })};
+                    [&] { idle(index, step, step.peer); })};
     if (!plan::gen_reached(seen.gen, at_.gen)) {
       fail(plan::make_diagnostic(plan::FailureKind::kTimeout, at_, index, step, seen));
     }
@@ -334,10 +339,21 @@ class BlockPass {
     }
   }
 
-  // A wait of step `index` yields: the test hook, if any, may act.
-  void idle(int index) const {
+  // A wait of step `index` for rank `awaited` yields: the test hook, if any, may act, and every
+  // few yields the interrupt check, if any, may abandon the call (kInterrupted at this step).
+  void idle(int index, const Step& step, uint32_t awaited) const {
     if (hook_ != nullptr) [[unlikely]] {
       (*hook_)(HostExecutor::StepPoint{block_, index, true});
+    }
+    if (budget_.interrupt == nullptr || ++idle_polls_ % kPollsPerClockCheck != 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_interrupt_check_) return;
+    next_interrupt_check_ = now + kInterruptCheckEvery;
+    if ((*budget_.interrupt)()) {
+      plan::Diagnostic d =
+          plan::make_diagnostic(plan::FailureKind::kInterrupted, at_, index, step, {});
+      d.peer = awaited;  // the flag's raiser, or the LL data's writer
+      fail(d);
     }
   }
 
@@ -353,6 +369,8 @@ class BlockPass {
   int block_;
   const WaitBudget& budget_;
   const StepHook* hook_;  // nullptr unless a test installed one
+  mutable int idle_polls_ = 0;
+  mutable std::chrono::steady_clock::time_point next_interrupt_check_{};  // the first: at once
   plan::CallPosition at_{};
   int parity_ = 0;
   uint32_t tag_ = 0;  // every LL word of this call carries it
@@ -376,7 +394,7 @@ int HostExecutor::install(const plan::Program& program) {
 void HostExecutor::run(const std::vector<uint8_t*>& bases, const plan::Layout& layout, int rank,
                        const Call& call) {
   const ReduceFn reduce = reducer_for(call.dtype);
-  const WaitBudget budget(timeout_s_);
+  const WaitBudget budget(timeout_s_, interrupt_check_ ? &interrupt_check_ : nullptr);
   const StepHook* hook = step_hook_ ? &step_hook_ : nullptr;
   try {
     for (int block = 0; block < call.blocks; ++block) {

@@ -59,11 +59,19 @@ class HostExecutor {
   // well-predicted branch per step.
   void set_step_hook(StepHook hook) { step_hook_ = std::move(hook); }
 
+  // Asked by a wait that has yielded its core, every 20 ms at most (never by a wait that ends
+  // within its initial spin): true abandons the call, which fails with kInterrupted at that
+  // step (recorded in failure(): the ranks are out of step). The Python bindings install one
+  // that runs the interpreter's signal handlers, so Ctrl-C ends a wait, whatever the timeout.
+  using InterruptCheck = std::function<bool()>;
+  void set_interrupt_check(InterruptCheck check) { interrupt_check_ = std::move(check); }
+
  private:
   double timeout_s_ = 0.0;
   std::vector<plan::Program> programs_;
   std::optional<plan::Diagnostic> failure_;
   StepHook step_hook_;  // tests only; empty otherwise
+  InterruptCheck interrupt_check_;
 };
 
 }  // namespace pcie_ar::transport

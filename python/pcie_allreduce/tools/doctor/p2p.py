@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ... import policy
+from ... import files, policy
 from .inventory import MAX_WORLD, Inventory
 from .system import FixtureError, RunResult, System, probe_env
 
@@ -95,8 +95,8 @@ def _p2p_error(detail: str) -> Dict[str, Any]:
 
 def read_p2p_cache(path: Path, key_file: str) -> Optional[Dict[str, Any]]:
     try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
+        cached = json.loads(files.read_small(path, in_cache=True))
+    except (OSError, ValueError):  # missing, refused (files.Refused), or not JSON
         return None
     if not isinstance(cached, dict) or cached.get("file") != key_file:
         return None
@@ -110,10 +110,7 @@ def write_p2p_cache(path: Path, result: Dict[str, Any]) -> None:
     record = {**result, "file": path.name, "tested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                       time.gmtime())}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
+        files.write_atomic(path, (json.dumps(record, indent=1) + "\n").encode())
     except OSError:
         pass  # a read-only cache only costs the next run another test
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ... import policy
+from ... import files, policy
 from ...native import _C
 from ...tuning import cache
 from .inventory import Inventory
@@ -23,7 +23,7 @@ def _env_table(system: System) -> Optional[Dict[str, Any]]:
     path = system.resolve(request.path)
     report: Dict[str, Any] = {"path": str(path), "ok": False}
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = files.read_small(path, in_cache=False).decode("utf-8")
         table = _C.TuningTable.parse(text, str(path))
     except FileNotFoundError:
         report["error"] = "no such file (expected a tuning-table CSV file)"
@@ -45,6 +45,8 @@ def _cache_status(read: cache.CacheRead) -> Dict[str, Any]:
         status = "missing"
     elif read.problem.startswith("foreign") or read.problem.startswith("format"):
         status = "foreign"
+    elif read.problem.startswith("refused"):
+        status = "refused"  # not a regular file of this user in a private folder (files.py)
     else:
         status = "corrupt"
     out: Dict[str, Any] = {"path": str(read.path), "status": status}

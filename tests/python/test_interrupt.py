@@ -1,0 +1,65 @@
+"""Issue 26, item 3: Ctrl-C inside a call on the host transport surfaces as KeyboardInterrupt
+within a fraction of a second, whatever the timeout (0 waits forever), and leaves the
+communicator failed, not silently out of step with its peers. Real processes, a real gloo group;
+the signal is a real SIGINT the rank sends itself while its peer stays away."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_ranks
+
+
+def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place):
+    from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
+
+    ar = PcieAllReduce(None, "cpu", max_numel=1024, timeout_s=timeout_s)
+    out = {}
+    if rank == 0:
+        sent = {}
+
+        def ctrl_c() -> None:
+            sent["at"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGINT)
+
+        timer = threading.Timer(0.5, ctrl_c)
+        timer.start()
+        x = torch.ones(256)
+        try:
+            if in_place:
+                ar.all_reduce_(x)
+            else:
+                ar.all_reduce(x)
+            out["first"] = "returned"
+        except KeyboardInterrupt:
+            out["first"] = "KeyboardInterrupt"
+            out["after_signal_s"] = time.monotonic() - sent["at"]
+        timer.join()
+        try:
+            ar.all_reduce(torch.ones(256))
+            out["second"] = "returned"
+        except PcieAllReduceTimeout as error:
+            out["second"] = str(error)
+            out["kind"] = error.diagnostic["kind"]
+    # Rank 1 never calls: it waits for rank 0 to be done with its attempts.
+    dist.barrier()
+    ar.destroy()
+    return out
+
+
+@pytest.mark.parametrize("timeout_s,in_place", [(0.0, True), (30.0, False)])
+def test_ctrl_c_ends_a_wait_at_once_and_leaves_the_communicator_failed(timeout_s, in_place,
+                                                                       clean_shm):
+    res = run_ranks(_interrupted_while_the_peer_stays_away, 2, timeout_s, in_place,
+                    timeout=120).values()[0]
+    assert res["first"] == "KeyboardInterrupt", res
+    assert res["after_signal_s"] < 1.0, res  # a wait asks every 20 ms; the deadline is 30 s or never
+    assert res["kind"] == "interrupted", res
+    assert "rank 0 was interrupted" in res["second"] and "failed earlier" in res["second"], res
