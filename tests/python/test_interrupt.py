@@ -23,6 +23,9 @@ def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place):
     ar = PcieAllReduce(None, "cpu", max_numel=1024, timeout_s=timeout_s)
     out = {}
     if rank == 0:
+        # Python's own Ctrl-C handler, as an operator's server has it: a process started in the
+        # background (CI) inherits SIGINT ignored, and Python then installs none.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sent = {}
 
         def ctrl_c() -> None:

@@ -107,6 +107,36 @@ TEST_P(CpuDeviceFailure, AMissingPeerTimesOutNamingIt) {
   EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
 }
 
+// Issue 23, item 5: a trap ends the whole grid at once. Every CTA of rank 0 times out together
+// and one thread wins the claim; while its system fences take their time (2 ms here: they cost
+// microseconds over PCIe), the threads that lost must not trap, or the grid ends with the record
+// half-written and the host finds no failure recorded. Repeated, since which CTA wins varies.
+TEST_P(CpuDeviceFailure, CtasFailingTogetherLeaveTheWinnersWholeRecord) {
+  const FailureParam& p = GetParam();
+  constexpr uint64_t kGen = 77;
+  constexpr double kTimeout = 0.05;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    SCOPED_TRACE("attempt " + std::to_string(attempt));
+    CpuDeviceGroup group(plan::make_layout(kNumel, 2, 4), p.mode.placement, kGen, kTimeout);
+    const plan::Tactic tactic = two_rank_tactic(p.protocol, 4);
+    const int id = group.add_schedule(two_rank_schedule(tactic));
+    Buffers buf;
+    DeviceOptions options{p.mode.memory, 5u + static_cast<uint64_t>(attempt)};
+    options.fence_ns = 2'000'000;
+    const LaunchStatus status =
+        group.launch(id, tactic, DType::kBF16, buf.inputs, buf.outputs, kNumel, options, 0, 1);
+    ASSERT_EQ(status, LaunchStatus::kTrapped);
+    const auto d = group.failure();
+    ASSERT_TRUE(d.has_value()) << "no record: a losing thread ended the grid before it landed";
+    EXPECT_EQ(d->kind, static_cast<uint32_t>(p.protocol == Protocol::kLL ? FailureKind::kLLTimeout
+                                                                         : FailureKind::kTimeout));
+    EXPECT_EQ(d->rank, 0u);
+    EXPECT_EQ(d->peer, 1u);
+    EXPECT_EQ(d->gen_expected, kGen + 1);
+    EXPECT_LT(d->block, 4u);
+  }
+}
+
 // Ranks 0 and 1 launched separately and concurrently with different dtypes: whoever looks first
 // must report the disagreement instead of reducing garbage. Flag: the flag's signature differs;
 // LL: the tag of the peer's data names another call.

@@ -77,9 +77,15 @@ __device__ __forceinline__ plan::FlagWord* flag_word(const LaunchParams& p, cons
                                            p.layout.flag_offset(c.parity, c.block, flag));
 }
 
+// How long a thread that lost the claim waits for the winner's record before it traps anyway.
+inline constexpr uint64_t kRecordWaitNs = 100'000'000;
+
 // Records the first failure of the launch where the host can read it after the context dies,
 // then traps. The claim is a device-memory CAS: atomics on mapped host memory are not atomic
-// over PCIe, and only one CTA's record must land.
+// over PCIe, and only one record must land. A trap ends the whole grid at once, so the threads
+// that lost the claim wait until the winner has published its record (claim 2) before they
+// trap: trapping at once, they could end the grid while the winner's record was still on its
+// way to host memory, and the host would find no failure recorded.
 __device__ __forceinline__ void fail(const LaunchParams& p, const plan::Diagnostic& d) {
   if (claim_first(p.claim)) {
     const auto* words = reinterpret_cast<const uint32_t*>(&d);
@@ -89,6 +95,11 @@ __device__ __forceinline__ void fail(const LaunchParams& p, const plan::Diagnost
     fence_system();  // the fields reach host memory before the kind that publishes them
     record[0] = words[0];
     fence_system();
+    publish_claim(p.claim);
+  } else {
+    const uint64_t start = global_timer_ns();
+    while (!claim_published(p.claim) && global_timer_ns() - start < kRecordWaitNs) {
+    }
   }
   trap_kernel();
 }

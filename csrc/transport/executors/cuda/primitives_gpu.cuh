@@ -109,20 +109,24 @@ __device__ __forceinline__ void store_volatile_u64(void* ptr, uint64_t v) {
 // ------------------------------------------------------------------ LL (flag-in-data)
 
 // An LL vector is {payload, tag, payload, tag}. Loads bypass L1 (peers write these words over
-// PCIe) and are never merged or hoisted: each poll is a fresh look at memory.
+// PCIe) and are never merged or hoisted: each poll is a fresh look at memory. Each {payload,
+// tag} pair is one 64-bit element of a .v2.u64 access: the PTX memory model treats a vector
+// access as one access per element, so the pair is single-copy atomic by rule (a .v4.u32 access
+// is four 32-bit ones, atomic in pairs only by what the hardware happens to do). Same SASS.
 __device__ __forceinline__ uint4 load_ll(const uint4* ptr) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+  uint64_t lo, hi;
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+               : "=l"(lo), "=l"(hi)
                : "l"(ptr)
                : "memory");
-  return v;
+  return make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
+                    static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
 }
 
 __device__ __forceinline__ void store_ll(uint4* ptr, uint32_t d0, uint32_t d1, uint32_t tag) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(d0), "r"(tag),
-               "r"(d1), "r"(tag)
-               : "memory");
+  const uint64_t lo = (static_cast<uint64_t>(tag) << 32) | d0;
+  const uint64_t hi = (static_cast<uint64_t>(tag) << 32) | d1;
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(ptr), "l"(lo), "l"(hi) : "memory");
 }
 
 // Payload vector `v` as the two LL vectors at ll[0], ll[1], every 8-byte word tagged.
@@ -162,6 +166,14 @@ inline constexpr int kLLGroup = plan::kMaxSources;
 // host memory are not atomic over PCIe).
 __device__ __forceinline__ bool claim_first(uint32_t* claim) {
   return atomicCAS(claim, 0u, 1u) == 0u;
+}
+
+// The winner of claim_first() has published its record (claim 1 -> 2); losers poll for it.
+__device__ __forceinline__ void publish_claim(uint32_t* claim) { atomicExch(claim, 2u); }
+__device__ __forceinline__ bool claim_published(uint32_t* claim) {
+  uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(claim) : "memory");
+  return v == 2u;
 }
 
 // Every store this thread made (after a barrier: its CTA) is visible system-wide first.

@@ -255,6 +255,15 @@ Thread& running_thread(const char* what) {
 
 namespace detail {
 Cta* current_cta() { return tl_cta != nullptr && tl_cta->running != nullptr ? tl_cta : nullptr; }
+
+void stop_if_trapped() {
+  Cta* cta = current_cta();
+  if (cta == nullptr || !cta->grid->trapped.load()) return;
+  Thread& thread = *cta->running;
+  thread.run = Run::kDone;
+  leave_thread(*cta, thread, true);
+  std::abort();  // never resumed
+}
 }  // namespace detail
 
 LaunchStatus launch(Dim3 grid, Dim3 block, const DeviceOptions& options,

@@ -43,6 +43,9 @@ enum class MemoryModel : uint8_t {
 struct DeviceOptions {
   MemoryModel memory = MemoryModel::kStrict;
   uint64_t seed = 1;  // the weak modes' delivery order; every CTA derives its own stream
+  // How long a system fence takes (microseconds over PCIe; 0: as long as delivering the buffered
+  // stores). A thread whose fence outlasts another CTA's trap ends in it, as the grid would.
+  uint64_t fence_ns = 0;
 };
 
 enum class LaunchStatus : uint8_t { kCompleted = 0, kTrapped = 1 };

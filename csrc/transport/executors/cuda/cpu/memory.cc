@@ -3,9 +3,11 @@
 #include "transport/executors/cuda/cpu/memory.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "transport/executors/cuda/cpu/state.h"
 
@@ -197,6 +199,10 @@ void load(const void* addr, void* out, int bytes) {
 
 void fence_system() {
   if (Cta* cta = weak_cta()) deliver_for_release(*cta, *cta->running);
+  if (const Cta* cta = detail::current_cta(); cta != nullptr && cta->grid->options.fence_ns != 0) {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(cta->grid->options.fence_ns));
+  }
+  detail::stop_if_trapped();  // another CTA's trap, landed while the fence took its time
 }
 
 uint32_t atomic_cas(uint32_t* addr, uint32_t compare, uint32_t value) {

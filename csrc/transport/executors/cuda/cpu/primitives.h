@@ -23,6 +23,7 @@
 // no caches, so they are one load here.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -142,6 +143,12 @@ inline void allow_dependent_grids() {}
 inline constexpr int kLLGroup = plan::kMaxSources;
 
 inline bool claim_first(uint32_t* claim) { return cpu_device::atomic_cas(claim, 0u, 1u) == 0u; }
+inline void publish_claim(uint32_t* claim) { std::atomic_ref<uint32_t>(*claim).store(2u); }
+// A poll, like a flag load.
+inline bool claim_published(uint32_t* claim) {
+  cpu_device::poll();
+  return std::atomic_ref<uint32_t>(*claim).load() == 2u;
+}
 inline void fence_system() { cpu_device::fence_system(); }
 [[noreturn]] inline void trap_kernel() { cpu_device::trap(); }
 inline uint32_t load_read_only(const uint32_t* ptr) { return *ptr; }

@@ -84,5 +84,8 @@ void deliver_some_observed(Cta& cta);         // between two turns of the CTA's 
 void hand_over_at_barrier(Cta& cta);          // every thread passed the barrier
 void hand_over_at_exit(Cta& cta, Thread& thread);
 void deliver_everything(Cta& cta);  // the CTA ended: nothing stays buffered
+// A trap ends a GPU grid at once, not at each CTA's next poll: a thread that reaches a system
+// fence after another CTA trapped ends there (never returns), its later stores never made.
+void stop_if_trapped();
 
 }  // namespace pcie_ar::transport::cpu_device::detail
