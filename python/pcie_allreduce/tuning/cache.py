@@ -97,8 +97,9 @@ def write_cache(path: Path, fp: str, fields: Mapping[str, Any], rows: str, measu
     """Writes a cache file atomically: a temporary file in the same folder, fsynced, then
     renamed over ``path``, so a reader sees the old file or the new one, never a torn one.
     The last line is a checksum of everything before it (a truncated file has none). The
-    caller holds the lock: a temporary file of ``path`` found now was left by a writer that
-    was killed, and is removed. Raises OSError (``files.Refused`` for an untrusted folder)."""
+    caller holds the lock: a temporary file of ``path`` left beside it was left by a writer
+    that was killed, and is removed. Raises OSError (``files.Refused`` for an untrusted
+    folder, before anything is written)."""
     header = [
         CACHE_MAGIC,
         f"# format: {CACHE_FORMAT}",
@@ -111,9 +112,8 @@ def write_cache(path: Path, fp: str, fields: Mapping[str, Any], rows: str, measu
         "# Written by `pcie-allreduce tune` / PcieAllReduce.tune(); delete it to measure again.",
     ]
     body = "\n".join(header) + "\n" + rows
-    files.ensure_folder(path.parent)
-    remove_stale_temporaries(path)
     files.write_atomic(path, (body + f"# checksum {_checksum(body)}\n").encode("utf-8"))
+    remove_stale_temporaries(path)  # ours was renamed over path; what is left, a killed one left
 
 
 def remove_stale_temporaries(path: Path) -> int:

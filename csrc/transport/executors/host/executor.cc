@@ -75,24 +75,33 @@ struct WaitBudget {
 };
 
 // Polls `load()` until `done(value)`: spins briefly, then yields (ranks may outnumber cores),
-// calling `idle()` once per yield (the test hook). Returns the last value seen, which is not
-// done only if the budget ran out.
-template <typename Load, typename Done, typename Idle>
-auto await_value(const Load& load, const Done& done, const WaitBudget& budget, const Idle& idle) {
+// calling `idle()` once per yield (the test hook). Every few yields it reads the clock, for the
+// deadline and, every kInterruptCheckEvery, for the interrupt check: `interrupted()` (which does
+// not return) when the check says stop. Returns the last value seen, which is not done only if
+// the budget ran out.
+template <typename Load, typename Done, typename Idle, typename Interrupted>
+auto await_value(const Load& load, const Done& done, const WaitBudget& budget, const Idle& idle,
+                 const Interrupted& interrupted) {
   auto seen = load();
   for (int poll = 0; !done(seen) && poll < kSpinPolls; ++poll) {
     cpu_relax();
     seen = load();
   }
   if (done(seen)) return seen;
-  const auto deadline = std::chrono::steady_clock::now() + budget.timeout;
+  const bool clocked = budget.bounded || budget.interrupt != nullptr;
+  auto now = std::chrono::steady_clock::now();
+  const auto deadline = now + budget.timeout;
+  auto next_interrupt_check = now;
   for (int poll = 1; !done(seen); ++poll) {
     idle();
     sched_yield();
     seen = load();
-    if (budget.bounded && poll % kPollsPerClockCheck == 0 &&
-        std::chrono::steady_clock::now() >= deadline) {
-      return load();  // one last look
+    if (!clocked || poll % kPollsPerClockCheck != 0) continue;
+    now = std::chrono::steady_clock::now();
+    if (budget.bounded && now >= deadline) return load();  // one last look
+    if (budget.interrupt != nullptr && now >= next_interrupt_check) {
+      next_interrupt_check = now + kInterruptCheckEvery;
+      if ((*budget.interrupt)()) interrupted();
     }
   }
   return seen;
@@ -298,12 +307,13 @@ class BlockPass {
   uint64_t await_ll_word(int index, const Step& step, const BufRef& src,
                          const std::atomic_ref<uint64_t>& word) const {
     const uint32_t expected = tag_;
-    const uint64_t seen = await_value([&] { return word.load(std::memory_order_acquire); },
-                                      [expected](uint64_t w) {
-                                        const uint32_t tag = plan::ll_word_tag(w);
-                                        return tag == expected || plan::ll_foreign(tag, expected);
-                                      },
-                                      budget_, [&] { idle(index, step, src.writer); });
+    const uint64_t seen =
+        await_value([&] { return word.load(std::memory_order_acquire); },
+                    [expected](uint64_t w) {
+                      const uint32_t tag = plan::ll_word_tag(w);
+                      return tag == expected || plan::ll_foreign(tag, expected);
+                    },
+                    budget_, [&] { idle(index); }, [&] { interrupted(index, step, src.writer); });
     const uint32_t tag = plan::ll_word_tag(seen);
     if (tag == expected) return seen;
     const auto kind = plan::ll_foreign(tag, expected) ? plan::FailureKind::kLLMismatch
@@ -327,7 +337,7 @@ class BlockPass {
     plan::FlagSeen seen{
         await_value([&] { return gen.load(std::memory_order_acquire); },
                     [expected](uint64_t g) { return plan::gen_reached(g, expected); }, budget_,
-                    [&] { idle(index, step, step.peer); })};
+                    [&] { idle(index); }, [&] { interrupted(index, step, step.peer); })};
     if (!plan::gen_reached(seen.gen, at_.gen)) {
       fail(plan::make_diagnostic(plan::FailureKind::kTimeout, at_, index, step, seen));
     }
@@ -339,22 +349,20 @@ class BlockPass {
     }
   }
 
-  // A wait of step `index` for rank `awaited` yields: the test hook, if any, may act, and every
-  // few yields the interrupt check, if any, may abandon the call (kInterrupted at this step).
-  void idle(int index, const Step& step, uint32_t awaited) const {
+  // A wait of step `index` yields: the test hook, if any, may act.
+  void idle(int index) const {
     if (hook_ != nullptr) [[unlikely]] {
       (*hook_)(HostExecutor::StepPoint{block_, index, true});
     }
-    if (budget_.interrupt == nullptr || ++idle_polls_ % kPollsPerClockCheck != 0) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (now < next_interrupt_check_) return;
-    next_interrupt_check_ = now + kInterruptCheckEvery;
-    if ((*budget_.interrupt)()) {
-      plan::Diagnostic d =
-          plan::make_diagnostic(plan::FailureKind::kInterrupted, at_, index, step, {});
-      d.peer = awaited;  // the flag's raiser, or the LL data's writer
-      fail(d);
-    }
+  }
+
+  // The interrupt check said stop while step `index` waited for rank `awaited` (the flag's
+  // raiser, or the LL data's writer).
+  [[noreturn]] void interrupted(int index, const Step& step, uint32_t awaited) const {
+    plan::Diagnostic d =
+        plan::make_diagnostic(plan::FailureKind::kInterrupted, at_, index, step, {});
+    d.peer = awaited;
+    fail(d);
   }
 
   [[noreturn]] void fail(const plan::Diagnostic& d) const {
@@ -369,8 +377,6 @@ class BlockPass {
   int block_;
   const WaitBudget& budget_;
   const StepHook* hook_;  // nullptr unless a test installed one
-  mutable int idle_polls_ = 0;
-  mutable std::chrono::steady_clock::time_point next_interrupt_check_{};  // the first: at once
   plan::CallPosition at_{};
   int parity_ = 0;
   uint32_t tag_ = 0;  // every LL word of this call carries it
