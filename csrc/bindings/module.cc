@@ -6,10 +6,12 @@
 
 #include <exception>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "comm/communicator.h"
+#include "plan/cost_model.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/schedule.h"
@@ -150,6 +152,108 @@ py::dict cost_dict(const plan::Cost& c) {
   return out;
 }
 
+// The cost model's constants by name: what Python passes as `constants=` and gets back from
+// latency_model(). One list, so a constant added to the model is settable at once.
+template <typename F>
+void for_each_constant(plan::LatencyModel& l, F&& f) {
+  f("launch_us", l.launch_us);
+  f("local_load_us", l.local_load_us);
+  f("posted_write_us", l.posted_write_us);
+  f("posted_write_cross_us", l.posted_write_cross_us);
+  f("peer_read_us", l.peer_read_us);
+  f("peer_read_cross_us", l.peer_read_cross_us);
+  f("host_read_us", l.host_read_us);
+  f("host_write_us", l.host_write_us);
+  f("fence_after_peer_writes_us", l.fence_after_peer_writes_us);
+  f("fence_after_local_writes_us", l.fence_after_local_writes_us);
+  f("gpu_link_gbps", l.gpu_link_gbps);
+  f("gpu_link_fanout_gbps", l.gpu_link_fanout_gbps);
+  f("socket_link_gbps", l.socket_link_gbps);
+}
+
+py::dict latency_model_dict(plan::LatencyModel l) {
+  py::dict out;
+  for_each_constant(l, [&](const char* name, double& value) { out[name] = value; });
+  return out;
+}
+
+plan::LatencyModel latency_model_from(const py::dict& overrides) {
+  plan::LatencyModel l;
+  std::string known;
+  for_each_constant(l, [&](const char* name, double&) {
+    known += (known.empty() ? "" : ", ") + std::string(name);
+  });
+  for (const auto& [key, value] : overrides) {
+    const auto name = py::cast<std::string>(key);
+    bool found = false;
+    for_each_constant(l, [&](const char* n, double& field) {
+      if (name == n) {
+        field = py::cast<double>(value);
+        found = true;
+      }
+    });
+    if (!found) {
+      throw std::invalid_argument("unknown cost-model constant '" + name + "'; known: " + known);
+    }
+  }
+  return l;
+}
+
+plan::ExecutorModel executor_model_from(const py::dict& overrides) {
+  plan::ExecutorModel e = plan::current_executor();
+  for (const auto& [key, value] : overrides) {
+    const auto name = py::cast<std::string>(key);
+    if (name == "first_look_group") {
+      e.first_look_group = py::cast<int>(value);
+    } else if (name == "parallel_first_look") {
+      e.parallel_first_look = py::cast<bool>(value);
+    } else if (name == "multi_destination_copies") {
+      e.multi_destination_copies = py::cast<bool>(value);
+    } else {
+      throw std::invalid_argument("unknown executor-model field '" + name +
+                                  "'; known: first_look_group, parallel_first_look, "
+                                  "multi_destination_copies");
+    }
+  }
+  return e;
+}
+
+py::dict executor_model_dict(const plan::ExecutorModel& e) {
+  py::dict out;
+  out["first_look_group"] = e.first_look_group;
+  out["parallel_first_look"] = e.parallel_first_look;
+  out["multi_destination_copies"] = e.multi_destination_copies;
+  return out;
+}
+
+// The step-list counts, and with nbytes the modelled time of one call on a GPU transport.
+py::dict schedule_cost(const plan::Schedule& s, std::optional<int64_t> nbytes,
+                       const std::string& transport, const py::dict& constants,
+                       const py::dict& executor) {
+  const plan::Verification v = plan::verify(s);
+  py::dict out = cost_dict(v.cost);
+  if (!nbytes) return out;
+  if (!v.ok) throw std::invalid_argument("the schedule does not verify: " + v.errors.front());
+  const transport::Kind kind = parse_or_throw(transport::kKindNames, transport);
+  if (kind == transport::Kind::kHostShm) {
+    throw std::invalid_argument(
+        "the cost model is for the GPU transports (cuda_ipc, cuda_host); host_shm is measured");
+  }
+  const plan::CostReport r =
+      plan::model_cost(s, *nbytes,
+                       kind == transport::Kind::kCudaHost ? plan::Placement::kHostMemory
+                                                          : plan::Placement::kDeviceMemory,
+                       latency_model_from(constants), executor_model_from(executor));
+  out["modelled_us"] = r.modelled_us;
+  out["latency_us"] = r.latency_us;
+  out["bandwidth_us"] = r.bandwidth_us;
+  out["serial_round_trips"] = r.serial_round_trips;
+  out["busiest_link_bytes"] = r.busiest_link_bytes;
+  out["busiest_link"] = r.busiest_link;
+  out["critical_path"] = r.critical_path;
+  return out;
+}
+
 plan::Protocol protocol_from_name(const std::string& name) {
   return parse_or_throw(plan::kProtocolNames, name);
 }
@@ -182,9 +286,14 @@ void bind_schedules(py::module_& m) {
       .def_property_readonly(
           "protocol",
           [](const plan::Schedule& s) { return std::string(plan::protocol_name(s.protocol)); })
-      .def(
-          "cost", [](const plan::Schedule& s) { return cost_dict(plan::verify(s).cost); },
-          "What the worst rank pays per call and CTA, counted from the step lists.")
+      .def("cost", &schedule_cost, py::arg("nbytes") = py::none(),
+           py::arg("transport") = "cuda_ipc", py::arg("constants") = py::dict(),
+           py::arg("executor") = py::dict(),
+           "What the worst rank pays per call and CTA, counted from the step lists; with "
+           "nbytes, also the cost model's time of one call of that many bytes on a GPU "
+           "transport (plan/cost_model.h): modelled_us, serial_round_trips, "
+           "busiest_link_bytes, the critical path. `constants` and `executor` override the "
+           "model's constants (latency_model()) and what it assumes of the executor.")
       .def_readonly("world", &plan::Schedule::world)
       .def_readonly("num_chunks", &plan::Schedule::num_chunks)
       .def_readonly("num_stages", &plan::Schedule::num_stages)
@@ -253,6 +362,12 @@ void bind_schedules(py::module_& m) {
       py::arg("name"),
       "Chooses the reduce kernels of later CPU all-reduces in this process (ValueError when "
       "this CPU does not run them).");
+  m.def(
+      "latency_model", [] { return latency_model_dict(plan::LatencyModel{}); },
+      "The cost model's default constants (µs, GB/s), by name.");
+  m.def(
+      "executor_model", [] { return executor_model_dict(plan::current_executor()); },
+      "What the cost model assumes of today's CUDA executor.");
   m.def("algorithms", [] {
     std::vector<std::string> names;
     for (const auto name : plan::kAlgorithmNames.names()) names.emplace_back(name);

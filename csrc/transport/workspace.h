@@ -88,7 +88,8 @@ class Workspace {
   virtual void retire_token() noexcept {}
   // P2P write-and-verify, because drivers report P2P that does not work. Collective:
   // probe_write() on every rank, a barrier, then probe_read() returns the ranks whose writes
-  // did not arrive intact here. Transports whose peers share host memory have nothing to probe.
+  // did not arrive intact here, or whose memory this rank's kernels could not read intact.
+  // Transports whose peers share host memory have nothing to probe.
   virtual void probe_write(uint32_t nonce) { (void)nonce; }
   virtual std::vector<int> probe_read(uint32_t nonce) const {
     (void)nonce;

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("topo", help="topology, islands, fingerprint and schedule summaries")
     t.add_argument("--nvidia-smi-topo", metavar="FILE", help="parse this `nvidia-smi topo -m` text")
     t.add_argument("--json", action="store_true")
+    t.add_argument("--model-bytes", type=_parse_bytes, default=12288, metavar="BYTES",
+                   help="message size of the cost model's columns (default 12288: one decode "
+                        "row of 6144 bf16)")
     t.set_defaults(func=_command("topo"))
 
     b = sub.add_parser("bench", help="ours vs the fallback, nccl-tests columns, verified")

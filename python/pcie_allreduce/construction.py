@@ -335,13 +335,15 @@ class Builder:
         broken = self.broken_pairs(comm)
         if broken:
             pairs = ", ".join(f"rank {s} -> rank {d}" for s, d in broken[:8])
-            return f"peer writes did not arrive intact ({pairs})"
+            return f"peer writes or reads did not arrive intact ({pairs})"
         return None
 
     def broken_pairs(self, comm: Any) -> List[Tuple[int, int]]:
         """The write-and-verify (collective): every rank writes a pattern into every peer's
-        workspace with the kernels' own stores and checks what arrived, because drivers report
-        P2P that does not work. Returns the (writer, reader) pairs that failed."""
+        workspace with the kernels' own stores and checks what arrived, then loads every peer's
+        own pattern with the pull kernels' loads, because drivers report P2P that does not work
+        (and a fabric may carry writes yet break reads). Returns the (peer, reader) pairs that
+        failed either way."""
         nonce = int.from_bytes(os.urandom(4), "little")
         nonce = self.boot.gather(nonce, "p2p check")[0]  # rank 0's
         comm.probe_write(nonce)

@@ -445,7 +445,7 @@ class RunnableFixture(system.FixtureSystem):
 def no_p2p_reason(pairs: List[tuple[int, int]]) -> str:
     """The disabled_reason a communicator reports after a failed write-and-verify."""
     shown = ", ".join(f"rank {s} -> rank {d}" for s, d in pairs[:8])
-    return (f"no_p2p: peer writes did not arrive intact ({shown}); check the IOMMU/ACS "
+    return (f"no_p2p: peer writes or reads did not arrive intact ({shown}); check the IOMMU/ACS "
             "settings of the PCIe path between those GPUs")
 
 

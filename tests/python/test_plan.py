@@ -3,6 +3,8 @@
 import pytest
 
 from pcie_allreduce import plan
+from pcie_allreduce.native import _C
+from pcie_allreduce.tuning import model
 
 TWO_BY_FOUR = [[0, 1, 2, 3], [4, 5, 6, 7]]
 
@@ -106,3 +108,69 @@ def test_ll_refuses_pull_and_staging_with_a_reason():
     with pytest.raises(ValueError, match="protocol must be flag or ll"):
         plan.build("oneshot", 4, protocol="lowlat")
     assert "push-only" in plan.why_unsupported("oneshot", 4, direction="pull", protocol="ll")
+
+
+# ------------------------------------------------------------------ the cost model
+
+
+def test_cost_without_a_size_keeps_the_step_list_counts_only():
+    c = plan.build("oneshot", 8, staged=False, protocol="ll").cost()
+    assert c["system_fences"] == 0 and "modelled_us" not in c
+
+
+def test_cost_with_a_size_models_one_call_on_each_gpu_transport():
+    s = plan.build("oneshot", 2, staged=False, protocol="ll")
+    p2p = s.cost(12288)
+    host = s.cost(12288, transport="cuda_host")
+    for c in (p2p, host):
+        assert c["modelled_us"] == pytest.approx(c["latency_us"] + c["bandwidth_us"])
+        assert c["critical_path"][0].startswith("launch ")
+        assert len(c["critical_path"]) == c["serial_round_trips"] + 1
+    assert p2p["busiest_link_bytes"] == 2 * 12288  # LL: payload and tags
+    # Host memory: the reader's resets to the stale tag go back over its link too.
+    assert host["busiest_link_bytes"] == 4 * 12288
+    # On host memory every look is a PCIe read of host DRAM, not of this GPU's L2.
+    assert host["latency_us"] > p2p["latency_us"]
+    assert any("host memory read" in link for link in host["critical_path"])
+
+
+def test_cost_constants_and_executor_can_be_overridden_by_name():
+    s = plan.build("oneshot", 4, staged=False, protocol="ll")
+    base = s.cost(4096)
+    later = s.cost(4096, constants={"launch_us": plan_launch() + 1.0})
+    assert later["latency_us"] == pytest.approx(base["latency_us"] + 1.0)
+    parallel = s.cost(4096, executor={"parallel_first_look": True, "first_look_group": 8})
+    assert parallel["serial_round_trips"] < base["serial_round_trips"] or \
+        _C.executor_model()["parallel_first_look"]
+    with pytest.raises(ValueError, match="unknown cost-model constant 'lunch_us'.*launch_us"):
+        s.cost(4096, constants={"lunch_us": 1.0})
+    with pytest.raises(ValueError, match="unknown executor-model field"):
+        s.cost(4096, executor={"pipelined": True})
+    with pytest.raises(ValueError, match="GPU transports"):
+        s.cost(4096, transport="host_shm")
+    with pytest.raises(ValueError, match="transport must be"):
+        s.cost(4096, transport="nvlink")
+
+
+def plan_launch():
+    return _C.latency_model()["launch_us"]
+
+
+def test_the_seeds_gpu_rows_are_what_the_cost_model_derives():
+    """The embedded seed's GPU estimates are the model's choices, row for row: a refit of the
+    model's constants (or a change in what the executor does) must regenerate them
+    (`python -m pcie_allreduce.tuning.model`)."""
+    keys = {key for key, _, _, _ in model.gpu_families()}
+    seed = [line for line in _C.TuningTable.embedded_text().splitlines()
+            if line and not line.startswith("#") and line.split(",")[0] in keys
+            and ",fallback" not in line]
+    assert seed == model.derive_seed_rows()
+
+
+def test_derived_rows_cover_every_size_once():
+    rows = model.derive_rows("*", "*", [0] * 8, "cuda_ipc")
+    edges = [(int(r.split(",")[3]), r.split(",")[4]) for r in rows]
+    assert edges[0][0] == 0 and edges[-1][1] == "*"
+    for (_, hi), (lo, _) in zip(edges, edges[1:]):
+        assert int(hi) == lo
+    assert all(int(r.split(",")[4]) <= model.MAX_LL_BYTES for r in rows if r.endswith(",ll"))

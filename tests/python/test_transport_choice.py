@@ -103,8 +103,8 @@ def test_a_failed_p2p_check_moves_every_rank_to_host_memory_and_says_why(clean_s
         assert res["enabled"], res["reason"]
         assert res["stats"]["transport"] == "cuda_host"
         assert res["stats"]["transport_detail"] == (
-            "peer-to-peer failed: peer writes did not arrive intact (rank 0 -> rank 1); every "
-            "workspace is in shared pinned host memory")
+            "peer-to-peer failed: peer writes or reads did not arrive intact (rank 0 -> rank 1); "
+            "every workspace is in shared pinned host memory")
         assert res["stats"]["disabled_reason"] is None
         # Its own cache entry and its own table rows: the hostmem seed rows decide.
         assert res["fields"]["transport"] == "cuda_host" and \
@@ -132,9 +132,9 @@ def test_transport_p2p_declines_no_p2p_instead_and_stays_correct(clean_shm):
         assert res["made"] == ["cuda_ipc"]  # host memory was never tried
         assert not res["enabled"]
         assert res["reason"] == (
-            "no_p2p: peer writes did not arrive intact (rank 0 -> rank 1); check the IOMMU/ACS "
-            "settings of the PCIe path between those GPUs (transport cuda_ipc: host memory was not "
-            "tried)")
+            "no_p2p: peer writes or reads did not arrive intact (rank 0 -> rank 1); check the "
+            "IOMMU/ACS settings of the PCIe path between those GPUs (transport cuda_ipc: host "
+            "memory was not tried)")
         assert res["stats"]["transport"] == "cuda_ipc"
         assert res["tactic"] == "fallback"
         assert res["correct"] and res["kernel_calls"] == 0  # the group's own all-reduce

@@ -136,7 +136,15 @@ void CudaKernelWorkspace::probe_write(uint32_t nonce) {
     check(launch_probe(dst, nonce, rank(), p),
           "launching the P2P probe to rank " + std::to_string(p));
   }
+  // Our own pattern in our own slot, for the peers' read probe (a local store).
+  check(launch_probe(own_probe_words(), nonce, rank(), rank()),
+        "launching the P2P probe's own pattern");
   check(cudaDeviceSynchronize(), "the P2P probe writes from rank " + std::to_string(rank()));
+}
+
+uint32_t* CudaKernelWorkspace::own_probe_words() const {
+  return reinterpret_cast<uint32_t*>(view_.bases[rank()] +
+                                     view_.layout.slot_offset(0, plan::slot_from_rank(rank())));
 }
 
 std::vector<int> CudaKernelWorkspace::probe_read(uint32_t nonce) const {
@@ -152,12 +160,21 @@ std::vector<int> CudaKernelWorkspace::probe_read(uint32_t nonce) const {
     check(cudaMemcpy(words, view_.bases[rank()] + l.slot_offset(0, plan::slot_from_rank(q)),
                      sizeof(words), cudaMemcpyDefault),
           "reading the P2P probe from rank " + std::to_string(q));
-    for (int i = 0; i < kProbeWords; ++i) {
-      if (words[i] != probe_word(nonce, q, rank(), i)) {
-        failed.push_back(q);
-        break;
-      }
-    }
+    bool intact = true;
+    for (int i = 0; i < kProbeWords; ++i) intact &= words[i] == probe_word(nonce, q, rank(), i);
+    // The read probe: a kernel loads q's own pattern out of q's slab, as pull kernels load, into
+    // a slot of ours that nothing uses during the probe.
+    auto* landing = reinterpret_cast<uint32_t*>(view_.bases[rank()] +
+                                                l.slot_offset(0, plan::slot_staged_input(l.world)));
+    const auto* theirs = reinterpret_cast<const uint32_t*>(
+        view_.bases[q] + l.slot_offset(0, plan::slot_from_rank(q)));
+    check(launch_probe_read(theirs, landing),
+          "launching the P2P read probe of rank " + std::to_string(q));
+    check(cudaDeviceSynchronize(), "the P2P read probe of rank " + std::to_string(q));
+    check(cudaMemcpy(words, landing, sizeof(words), cudaMemcpyDefault),
+          "reading the P2P read probe of rank " + std::to_string(q));
+    for (int i = 0; i < kProbeWords; ++i) intact &= words[i] == probe_word(nonce, q, q, i);
+    if (!intact) failed.push_back(q);
   }
   return failed;
 }

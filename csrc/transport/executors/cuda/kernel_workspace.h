@@ -46,7 +46,9 @@ class CudaKernelWorkspace : public Workspace {
   bool runs_multi_destination_steps() const override { return false; }
 
   // A kernel stores a pattern into each peer's slab with ordinary stores (the path the
-  // all-reduce kernels use); probe_read() checks what arrived in our own slab.
+  // all-reduce kernels use) and our own pattern into our own slab; probe_read() checks what
+  // arrived in our slab, then has a kernel load each peer's own pattern out of the peer's slab
+  // with the pull kernels' loads: a peer fails if either direction did not arrive intact.
   void probe_write(uint32_t nonce) override;
   std::vector<int> probe_read(uint32_t nonce) const override;
 
@@ -77,6 +79,8 @@ class CudaKernelWorkspace : public Workspace {
 
  private:
   int install(const plan::Program& program) override;
+  // Where probe_write() puts this rank's own pattern (its own slot of its own slab).
+  uint32_t* own_probe_words() const;
   std::optional<std::string> transport_limits(const plan::Tactic& tactic) const override;
   // Frees the uploaded programs and the claim word; appends what failed to `errors`.
   void release_kernel_state(std::string& errors);

@@ -1,5 +1,5 @@
 // The only translation unit nvcc compiles: the six executor instantiations (dtype × direction),
-// the P2P probe kernel, and the host functions that launch them (launch.h), with
+// the P2P probe kernels, and the host functions that launch them (launch.h), with
 // programmatic dependent launch where the workspace asks for it.
 #include <cuda_runtime.h>
 
@@ -35,6 +35,12 @@ Kernel kernel_for(plan::DType dtype, plan::Direction direction) {
 __global__ void probe_kernel(uint32_t* dst, uint32_t nonce, int src, int dst_rank) {
   const int i = static_cast<int>(threadIdx.x);
   if (i < kProbeWords) dst[i] = probe_word(nonce, src, dst_rank, i);
+}
+
+// The pull kernels' own load (ld.global.cv of 16-byte vectors) of a peer's words.
+__global__ void probe_read_kernel(const uint4* src, uint4* dst) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < kProbeWords / 4) dst[i] = kernels::load_cv(src + i);
 }
 
 [[noreturn]] void launch_executor_failed(const LaunchParams& p, cudaError_t err) {
@@ -126,6 +132,12 @@ bool use_pdl(bool requested, int device) { return requested && pdl_enabled(devic
 
 cudaError_t launch_probe(uint32_t* dst, uint32_t nonce, int src, int dst_rank) {
   probe_kernel<<<1, kProbeWords>>>(dst, nonce, src, dst_rank);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_probe_read(const uint32_t* src, uint32_t* dst) {
+  probe_read_kernel<<<1, kProbeWords / 4>>>(reinterpret_cast<const uint4*>(src),
+                                            reinterpret_cast<uint4*>(dst));
   return cudaGetLastError();
 }
 

@@ -41,6 +41,7 @@ bool use_pdl(bool requested, int device);
 // P2P probe: the words rank `src` writes into rank `dst`'s slab. Every word differs per
 // (nonce, src, dst, index), so a dropped, zeroed or misdirected write cannot pass.
 inline constexpr int kProbeWords = 32;  // 128 bytes: one aligned line; slots are never smaller
+static_assert(kProbeWords % 4 == 0, "the read probe moves 16-byte vectors");
 PCIE_AR_HD uint32_t probe_word(uint32_t nonce, int src, int dst, int i) {
   uint32_t x = nonce ^ (static_cast<uint32_t>(src) * 0x9E3779B1u) ^
                (static_cast<uint32_t>(dst) * 0x85EBCA77u) ^
@@ -55,5 +56,9 @@ PCIE_AR_HD uint32_t probe_word(uint32_t nonce, int src, int dst, int i) {
 // Enqueues kProbeWords ordinary SM stores of probe_word(nonce, src, dst_rank, i) at `dst` (a
 // peer's slab: the path the all-reduce kernels use) on the legacy stream.
 cudaError_t launch_probe(uint32_t* dst, uint32_t nonce, int src, int dst_rank);
+// Enqueues one CTA that loads kProbeWords words at `src` (a peer's slab) with the loads the pull
+// kernels use and stores them at `dst` (this GPU's memory), on the legacy stream: pull tactics
+// read peer memory, and a fabric may carry writes and break reads.
+cudaError_t launch_probe_read(const uint32_t* src, uint32_t* dst);
 
 }  // namespace pcie_ar::transport

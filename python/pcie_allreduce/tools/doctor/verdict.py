@@ -111,7 +111,7 @@ def gpu_declines(inv: Inventory, p2p: Dict[str, Any],
                     f"{len(topo.nvlink_pairs())} pairs): the engine's own custom all-reduce is "
                     "faster there"})
     if p2p.get("status") == "failed" and policy.transport_after_p2p_failure(mode) is None:
-        out.append({"reason": "no_p2p", "detail": "peer writes did not arrive intact: "
+        out.append({"reason": "no_p2p", "detail": "peer writes or reads did not arrive intact: "
                     f"{_failing_text(p2p)}; {_P2P_ONLY}, so host memory is not tried"})
     elif p2p.get("status") == "error" and mode != policy.CUDA_HOST:
         out.append({"reason": "no_p2p", "detail": p2p["detail"]})

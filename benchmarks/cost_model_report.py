@@ -1,0 +1,72 @@
+"""The cost model's report for the decode-size targets (issue 23): modelled microseconds of one
+call for every tactic, for today's executor beside the executor with each fix the model knows
+(a parallel first look; one load feeding every delivery copy), and the critical path of the best
+tactic of each target. No GPU needed: it is arithmetic on the step lists
+(csrc/plan/cost_model.h).
+
+    .venv/bin/python benchmarks/cost_model_report.py [--bytes 12288] [--paths]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, List
+
+from pcie_allreduce.native import _C
+from pcie_allreduce.tuning import model
+
+TARGETS = (
+    ("world 2, P2P", [0, 0], "cuda_ipc"),
+    ("world 8 (4+4), P2P", [0, 0, 0, 0, 1, 1, 1, 1], "cuda_ipc"),
+    ("world 2, cuda_host", [0, 0], "cuda_host"),
+    ("world 4, cuda_host", [0] * 4, "cuda_host"),
+)
+
+EXECUTORS = (
+    ("today", {}),
+    ("parallel look", {"parallel_first_look": True}),
+    ("+ one-load copies", {"parallel_first_look": True, "multi_destination_copies": True}),
+)
+
+
+def label(t: Dict[str, Any]) -> str:
+    return (f"{t['algorithm']}/{t['direction']}/{'staged' if t['staged'] else 'unstaged'}/"
+            f"{t['protocol']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--bytes", type=int, default=12288)
+    ap.add_argument("--paths", action="store_true", help="print each target's critical path")
+    args = ap.parse_args()
+    print(f"executor today: {_C.executor_model()}")
+    print(f"constants: {_C.latency_model()}")
+    for name, island_of, transport in TARGETS:
+        print(f"\n### {name}, {args.bytes} bytes")
+        ranked: Dict[str, List[Dict[str, Any]]] = {
+            ex: model.rank_tactics(len(island_of), island_of, transport, args.bytes,
+                                   executor=over)
+            for ex, over in EXECUTORS}
+        print("| tactic | " + " | ".join(f"{ex} µs (rt)" for ex, _ in EXECUTORS) + " |")
+        print("|---|" + "---|" * len(EXECUTORS))
+        by_label = {ex: {label(t): t for t in rows} for ex, rows in ranked.items()}
+        for t in ranked["today"][:6]:
+            cells = " | ".join(
+                f"{by_label[ex][label(t)]['modelled_us']:.2f} "
+                f"({by_label[ex][label(t)]['serial_round_trips']})" for ex, _ in EXECUTORS)
+            print(f"| {label(t)} | {cells} |")
+        if args.paths:
+            for ex, over in EXECUTORS:
+                best = ranked[ex][0]
+                s = _C.build_schedule(best["algorithm"], len(island_of), island_of,
+                                      best["direction"], best["staged"], best["protocol"])
+                c = s.cost(args.bytes, transport=transport, executor=over)
+                print(f"\n{ex}: {label(best)} = {c['latency_us']:.2f} latency + "
+                      f"{c['bandwidth_us']:.2f} bandwidth ({c['busiest_link_bytes']:.0f} B on "
+                      f"{c['busiest_link']}) = {c['modelled_us']:.2f} µs")
+                for link in c["critical_path"]:
+                    print(f"    {link}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Table rows from the cost model (csrc/plan/cost_model.h): for each size bucket, the tactic
+whose modelled time of one call is lowest. The embedded seed's GPU rows are these rows (a test
+holds them equal); after a refit of the model's constants, print the new ones with
+
+    python -m pcie_allreduce.tuning.model
+
+and paste them into csrc/plan/tuning_table.cc. They stay estimates until a tune on a real PCIe
+host measures them (docs/tuning.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..native import _C
+
+# Buckets [2^k, 2^(k+1)) from 2 KiB (the first one starts at 0), each judged at its geometric
+# middle; the last one is open.
+FIRST_EDGE = 2048
+LAST_EDGE = 4 << 20
+# LL slots hold at most this much payload (plan::kMaxLLPayloadBytes).
+MAX_LL_BYTES = 256 * 1024
+
+
+def gpu_families() -> List[Tuple[str, str, List[int], str]]:
+    """The seed's GPU rows, in table order: (topology key, world column, the island map they are
+    judged on, transport). Worlds 2 and 4 have their own rows; "*" is judged at world 8, the
+    dearest, and holds for the worlds between."""
+    def halves(w: int) -> List[int]:
+        return [0 if r < w // 2 else 1 for r in range(w)]
+
+    return [
+        ("cuda_host", "2", [0] * 2, "cuda_host"),
+        ("cuda_host", "4", [0] * 4, "cuda_host"),
+        ("cuda_host", "*", [0] * 8, "cuda_host"),
+        ("islands-2x4", "8", halves(8), "cuda_ipc"),
+        ("islands-2x3", "6", halves(6), "cuda_ipc"),
+        ("islands-2x2", "4", halves(4), "cuda_ipc"),
+        ("*", "2", [0] * 2, "cuda_ipc"),
+        ("*", "4", [0] * 4, "cuda_ipc"),
+        ("*", "*", [0] * 8, "cuda_ipc"),
+    ]
+
+
+def launch_shape(protocol: str, nbytes: int) -> Tuple[int, int]:
+    """(blocks, threads) of a derived row: the model is per CTA and does not choose them. LL
+    rows are decode-sized (8 CTAs); flag rows take 16 CTAs to 128 KiB, then 32 of 512."""
+    if protocol == "ll":
+        return 8, 256
+    return (16, 256) if nbytes <= 128 * 1024 else (32, 512)
+
+
+def buckets() -> List[Tuple[int, Optional[int], int]]:
+    """(min_bytes, max_bytes or None for open, the size the bucket is judged at)."""
+    out: List[Tuple[int, Optional[int], int]] = []
+    lo, hi = 0, FIRST_EDGE
+    while hi <= LAST_EDGE:
+        judged = int(math.sqrt(max(lo, FIRST_EDGE // 2) * hi)) // 16 * 16
+        out.append((lo, hi, judged))
+        lo, hi = hi, hi * 2
+    out.append((lo, None, lo * 3 // 2))
+    return out
+
+
+def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: int,
+                 constants: Optional[Dict[str, float]] = None,
+                 executor: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """Every tactic the builders accept here (push only over P2P), fastest first by the model."""
+    rows = []
+    for algorithm in _C.algorithms():
+        if _C.why_unsupported(algorithm, world, list(island_of)) is not None:
+            continue
+        # Pull over P2P is the fabric's call: some switches collapse on peer writes, root
+        # complexes on peer reads (docs/tuning.md), and the model knows neither; only a tune
+        # may pick it there. On host memory both directions cross the same links.
+        directions = ("push", "pull") if transport == "cuda_host" else ("push",)
+        for direction in directions:
+            for staged in (False, True):  # a tie goes to fewer fences
+                for protocol in ("flag", "ll"):
+                    if _C.why_unsupported(algorithm, world, list(island_of), direction, staged,
+                                          protocol) is not None:
+                        continue
+                    if protocol == "ll" and nbytes > MAX_LL_BYTES:
+                        continue
+                    s = _C.build_schedule(algorithm, world, list(island_of), direction, staged,
+                                          protocol)
+                    c = s.cost(nbytes, transport=transport, constants=constants or {},
+                               executor=executor or {})
+                    rows.append({"algorithm": algorithm, "direction": direction,
+                                 "staged": staged, "protocol": protocol,
+                                 "modelled_us": c["modelled_us"],
+                                 "serial_round_trips": c["serial_round_trips"]})
+    # Ties go to the earlier tactic in the builders' order (stable sort).
+    rows.sort(key=lambda r: round(r["modelled_us"], 6))
+    return rows
+
+
+def _row_text(key: str, world: str, lo: int, hi: Optional[int], best: Dict[str, Any],
+              judged: int) -> str:
+    blocks, threads = launch_shape(best["protocol"], judged)
+    text = (f"{key},{world},*,{lo},{'*' if hi is None else hi},{best['algorithm']},"
+            f"{best['direction']},{int(best['staged'])},{blocks},{threads}")
+    return text + (",ll" if best["protocol"] == "ll" else "")
+
+
+def derive_rows(key: str, world: str, island_of: Sequence[int], transport: str,
+                constants: Optional[Dict[str, float]] = None,
+                executor: Optional[Dict[str, Any]] = None) -> List[str]:
+    """The table rows of one topology key: adjacent buckets with the same best tactic and launch
+    shape merge into one row."""
+    rows: List[str] = []
+    current: Optional[Tuple[str, int, Optional[int], Dict[str, Any], int]] = None
+    for lo, hi, judged in buckets():
+        best = rank_tactics(len(island_of), island_of, transport, judged, constants,
+                            executor)[0]
+        same = (current is not None and
+                _row_text(key, world, 0, 0, current[3], current[4]) ==
+                _row_text(key, world, 0, 0, best, judged))
+        if same:
+            current = (current[0], current[1], hi, current[3], current[4])
+            continue
+        if current is not None:
+            rows.append(_row_text(key, current[0], current[1], current[2], current[3],
+                                  current[4]))
+        current = (world, lo, hi, best, judged)
+    assert current is not None
+    rows.append(_row_text(key, current[0], current[1], current[2], current[3], current[4]))
+    return rows
+
+
+def derive_seed_rows(constants: Optional[Dict[str, float]] = None,
+                     executor: Optional[Dict[str, Any]] = None) -> List[str]:
+    rows: List[str] = []
+    for key, world, island_of, transport in gpu_families():
+        rows.extend(derive_rows(key, world, island_of, transport, constants, executor))
+    return rows
+
+
+if __name__ == "__main__":
+    for row in derive_seed_rows():
+        print(row)

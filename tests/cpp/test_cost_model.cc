@@ -1,0 +1,206 @@
+// The cost model (plan/cost_model.h): exact critical paths on hand-checked schedules with
+// constants that are distinct powers of two (so every sum names the links it is made of), what
+// each executor property is worth, the byte counts, and a sweep over every buildable tactic.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "plan/cost_model.h"
+#include "plan/schedule.h"
+#include "plan/verify.h"
+
+namespace pcie_ar::plan {
+namespace {
+
+// No two sums of distinct subsets collide; bandwidth so high that it adds nothing measurable.
+LatencyModel powers_of_two() {
+  LatencyModel l;
+  l.launch_us = 1;
+  l.local_load_us = 2;
+  l.posted_write_us = 4;
+  l.posted_write_cross_us = 8;
+  l.peer_read_us = 16;
+  l.peer_read_cross_us = 32;
+  l.host_read_us = 64;
+  l.host_write_us = 128;
+  l.fence_after_peer_writes_us = 256;
+  l.fence_after_local_writes_us = 512;
+  l.gpu_link_gbps = 1e12;
+  l.gpu_link_fanout_gbps = 1e12;
+  l.socket_link_gbps = 1e12;
+  return l;
+}
+
+ExecutorModel serial() {
+  ExecutorModel e;
+  e.first_look_group = 8;
+  e.parallel_first_look = false;
+  e.multi_destination_copies = false;
+  return e;
+}
+
+ExecutorModel parallel() {
+  ExecutorModel e = serial();
+  e.parallel_first_look = true;
+  return e;
+}
+
+std::string path_text(const CostReport& r) {
+  std::string out;
+  for (const auto& link : r.critical_path) out += "\n  " + link;
+  return out;
+}
+
+Schedule oneshot_ll(int world, const std::vector<int>& island_of = {}) {
+  return build_schedule(Algorithm::kOneshot, Direction::kPush, false, world, island_of,
+                        Protocol::kLL);
+}
+
+// World 2 one-shot LL: each rank copies its input into the peer's LL slot (launch 1, counter 2,
+// input 2, posted write 4: lands at 9) and then sums. Rank 0 sums (input0, LL1): one look at 5
+// misses, a poll sees LL1 at 9 + 2 = 11. Rank 1 sums (LL0, input1): today the input's load waits
+// for LL0's check, 11 + 2 = 13; with a parallel first look it rides along, 11.
+TEST(CostModel, WorldTwoOneshotLLCriticalPathIsExact) {
+  const Schedule s = oneshot_ll(2);
+  ASSERT_TRUE(verify(s).ok);
+  const CostReport today = model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), serial());
+  EXPECT_DOUBLE_EQ(today.latency_us, 13.0) << path_text(today);
+  EXPECT_EQ(today.serial_round_trips, 5) << path_text(today);
+  const CostReport fixed =
+      model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), parallel());
+  EXPECT_DOUBLE_EQ(fixed.latency_us, 11.0) << path_text(fixed);
+  EXPECT_EQ(fixed.serial_round_trips, 4) << path_text(fixed);
+  EXPECT_EQ(fixed.critical_path.front(), "launch 1.00");
+}
+
+// The same on pinned host memory: the write lands in host DRAM (5 + 128 = 133) and every look
+// is a host read (64): rank 1 sees LL0 at 133 + 64 = 197, then loads its input, 199.
+TEST(CostModel, HostMemoryPaysAHostReadPerLookAndAHostWritePerStore) {
+  const CostReport r =
+      model_cost(oneshot_ll(2), 4096, Placement::kHostMemory, powers_of_two(), serial());
+  EXPECT_DOUBLE_EQ(r.latency_us, 199.0) << path_text(r);
+  EXPECT_EQ(r.serial_round_trips, 5) << path_text(r);
+}
+
+// World 2 one-shot flag, unstaged: copy (lands 9), then the signal: a system fence after fabric
+// writes (5 + 256 = 261) and the flag's posted write (265); rank 0 polls its own flag (267) and
+// loads both operands together (269).
+TEST(CostModel, FlagProtocolPaysTheFenceAndTheFlagWrite) {
+  const Schedule s = build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
+  const CostReport r = model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), serial());
+  EXPECT_DOUBLE_EQ(r.latency_us, 269.0) << path_text(r);
+  EXPECT_EQ(r.serial_round_trips, 6) << path_text(r);
+}
+
+// A serial first look costs one more round trip per LL operand after the first; a parallel one
+// sees all of a group's operands with one look after the last lands.
+TEST(CostModel, SerialFirstLookCostsARoundTripPerExtraOperand) {
+  for (int world : {4, 8}) {
+    const Schedule s = oneshot_ll(world);
+    const CostReport today =
+        model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), serial());
+    const CostReport fixed =
+        model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), parallel());
+    // The last rank sums (LL0, ..., LL{N-2}, input): N - 1 LL looks and the input's load in
+    // turn today, against one look and the input riding along.
+    EXPECT_EQ(today.serial_round_trips - fixed.serial_round_trips, world - 1)
+        << "world " << world << path_text(today) << "\nagainst" << path_text(fixed);
+    EXPECT_DOUBLE_EQ(today.latency_us - fixed.latency_us, 2.0 * (world - 1)) << world;
+  }
+}
+
+// Groups bound the parallel look: with groups of 3 at world 8 the eight operands take three
+// waves, each one look after its last operand landed.
+TEST(CostModel, FirstLookGroupsSerialiseBetweenGroups) {
+  ExecutorModel grouped = parallel();
+  grouped.first_look_group = 3;
+  const CostReport one =
+      model_cost(oneshot_ll(8), 4096, Placement::kDeviceMemory, powers_of_two(), parallel());
+  const CostReport three =
+      model_cost(oneshot_ll(8), 4096, Placement::kDeviceMemory, powers_of_two(), grouped);
+  EXPECT_EQ(three.serial_round_trips - one.serial_round_trips, 2) << path_text(three);
+}
+
+// Unstaged one-shot delivers with N - 1 copies of the input; each re-loads it before it stores,
+// so the last copy leaves N - 2 loads late. A multi-destination copy loads it once.
+TEST(CostModel, DeliveryCopiesSerialiseUnlessOneLoadFeedsEveryDestination) {
+  const Schedule s = build_schedule(Algorithm::kOneshot, Direction::kPush, false, 8);
+  ExecutorModel multi = serial();
+  multi.multi_destination_copies = true;
+  const CostReport today = model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), serial());
+  const CostReport fixed = model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), multi);
+  EXPECT_DOUBLE_EQ(today.latency_us - fixed.latency_us, 2.0 * 6) << path_text(today);
+  EXPECT_EQ(today.serial_round_trips - fixed.serial_round_trips, 6);
+}
+
+// Crossing the socket link costs the cross-socket write, once, on the island path.
+TEST(CostModel, IslandPartialsCrossTheSocketLinkOnce) {
+  const std::vector<int> halves = {0, 0, 0, 0, 1, 1, 1, 1};
+  const Schedule s =
+      build_schedule(Algorithm::kIslandOneshot, Direction::kPush, false, 8, halves, Protocol::kLL);
+  const CostReport r = model_cost(s, 4096, Placement::kDeviceMemory, powers_of_two(), parallel());
+  int cross = 0;
+  for (const auto& link : r.critical_path) cross += link.find(", across") != std::string::npos;
+  EXPECT_EQ(cross, 1) << path_text(r);
+}
+
+// Bytes: LL moves its tags too (twice the payload); one-shot push sends the whole message to
+// every peer, two-shot 2 (N - 1) / N of it; a flat schedule's cross-socket flows add up.
+TEST(CostModel, BusiestLinkCountsLLTagsAndFanOut) {
+  const int64_t n = 1 << 16;
+  const LatencyModel l;  // the defaults: bandwidth matters here
+  const CostReport flag =
+      model_cost(build_schedule(Algorithm::kOneshot, Direction::kPush, false, 4), n,
+                 Placement::kDeviceMemory, l);
+  const CostReport ll = model_cost(oneshot_ll(4), n, Placement::kDeviceMemory, l);
+  EXPECT_DOUBLE_EQ(flag.busiest_link_bytes, 3.0 * n) << flag.busiest_link;
+  EXPECT_DOUBLE_EQ(ll.busiest_link_bytes, 6.0 * n) << ll.busiest_link;
+  EXPECT_DOUBLE_EQ(flag.bandwidth_us, 3.0 * n / (l.gpu_link_fanout_gbps * 1e3));
+  const CostReport two = model_cost(build_schedule(Algorithm::kTwoshot, Direction::kPush, false, 4),
+                                    n, Placement::kDeviceMemory, l);
+  EXPECT_DOUBLE_EQ(two.busiest_link_bytes, 2.0 * 3 * n / 4) << two.busiest_link;
+  // World 2 sends to one peer: the single-stream rate.
+  const CostReport pair = model_cost(oneshot_ll(2), n, Placement::kDeviceMemory, l);
+  EXPECT_DOUBLE_EQ(pair.bandwidth_us, 2.0 * n / (l.gpu_link_gbps * 1e3));
+  // 4 + 4, flat one-shot: each of the four ranks of a socket sends 2n to each of four across.
+  const CostReport flat =
+      model_cost(oneshot_ll(8, {0, 0, 0, 0, 1, 1, 1, 1}), n, Placement::kDeviceMemory, l);
+  EXPECT_EQ(flat.busiest_link.rfind("socket", 0), 0u) << flat.busiest_link;
+  EXPECT_DOUBLE_EQ(flat.busiest_link_bytes, 4.0 * 4 * 2 * n);
+  EXPECT_DOUBLE_EQ(flat.modelled_us, flat.latency_us + flat.bandwidth_us);
+}
+
+// Every tactic the builders accept is modelled, on both placements, with a path that starts at
+// the launch and a time that grows with the message.
+TEST(CostModel, EveryBuildableTacticIsModelled) {
+  for (int world : {2, 4, 6, 8}) {
+    std::vector<int> halves(world);
+    for (int r = 0; r < world; ++r) halves[r] = r < world / 2 ? 0 : 1;
+    for (const auto& islands : {std::vector<int>(world, 0), halves}) {
+      for (const Tactic& t : buildable_tactics(world, islands)) {
+        const Schedule s =
+            build_schedule(t.algorithm, t.direction, t.staged, world, islands, t.protocol);
+        for (Placement p : {Placement::kDeviceMemory, Placement::kHostMemory}) {
+          const CostReport small = model_cost(s, 1024, p);
+          const CostReport large = model_cost(s, 1 << 20, p);
+          EXPECT_GT(small.serial_round_trips, 1) << tactic_label(t);
+          EXPECT_EQ(small.critical_path.size(), static_cast<size_t>(small.serial_round_trips) + 1)
+              << tactic_label(t) << path_text(small);
+          EXPECT_GT(large.modelled_us, small.modelled_us) << tactic_label(t);
+          EXPECT_GE(small.latency_us, LatencyModel{}.launch_us);
+        }
+      }
+    }
+  }
+}
+
+TEST(CostModel, RefusesMalformedInput) {
+  Schedule broken = oneshot_ll(2);
+  broken.programs.pop_back();
+  EXPECT_THROW(model_cost(broken, 4096, Placement::kDeviceMemory), std::invalid_argument);
+  EXPECT_THROW(model_cost(oneshot_ll(2), -1, Placement::kDeviceMemory), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace pcie_ar::plan
