@@ -62,6 +62,11 @@ MUTANTS = [
            "      store_ll(ll, 0u, 0u, stale);\n      store_ll(ll + 1, 0u, 0u, stale);\n",
            "      (void)ll;\n      (void)stale;\n",
            "a consumed LL word keeps its tag: two calls later it names the wrong call"),
+    Mutant("first_look_trusts_tags", EXECUTOR,
+           "      if (!ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;\n",
+           "      (void)tag;\n",
+           "the first look takes an LL vector whose tags are not yet this call's: stale or "
+           "half-written data is summed"),
     Mutant("wrong_parity", EXECUTOR,
            "  c.parity = plan::gen_parity(c.gen);\n",
            "  c.parity = 0;\n",

@@ -151,21 +151,47 @@ __device__ __forceinline__ void reduce_slice(const LaunchParams& p, const Call& 
 
 // ------------------------------------------------------------------ LL reduce
 
+// An LL payload vector v is the two LL vectors [2v, 2v + 1] of its slot: lo and hi, each
+// {data, tag, data, tag}. True when all four tags are `tag`.
+__device__ __forceinline__ bool ll_tags_are(const uint4& lo, const uint4& hi, uint32_t tag) {
+  return (lo.y == tag) & (lo.w == tag) & (hi.y == tag) & (hi.w == tag);
+}
+// The first of the four tags that is not `tag` (the last one when the others are).
+__device__ __forceinline__ uint32_t ll_seen(const uint4& lo, const uint4& hi, uint32_t tag) {
+  return lo.y != tag ? lo.y : lo.w != tag ? lo.w : hi.y != tag ? hi.y : hi.w;
+}
+__device__ __forceinline__ uint4 ll_payload(const uint4& lo, const uint4& hi) {
+  return make_uint4(lo.x, lo.z, hi.x, hi.z);
+}
+
 // Loads payload vector v of an LL slot (`ll` is the slot's first LL vector). True when all four
 // tags are `tag`; otherwise `seen` is the first tag that is not.
 __device__ __forceinline__ bool try_load_ll(const uint4* ll, int v, uint32_t tag, uint4& payload,
                                             uint32_t& seen) {
   const uint4 lo = load_ll(ll + 2 * v);
   const uint4 hi = load_ll(ll + 2 * v + 1);
-  payload = make_uint4(lo.x, lo.z, hi.x, hi.z);
-  seen = lo.y != tag ? lo.y : lo.w != tag ? lo.w : hi.y != tag ? hi.y : hi.w;
-  return (lo.y == tag) & (lo.w == tag) & (hi.y == tag) & (hi.w == tag);
+  payload = ll_payload(lo, hi);
+  seen = ll_seen(lo, hi, tag);
+  return ll_tags_are(lo, hi, tag);
 }
 
 // Where operand `ref` of an LL step lives: an LL slot's first LL vector, or a plain buffer.
 __device__ __forceinline__ uint4* resolve_any(const LaunchParams& p, const Call& c,
                                               const plan::BufRef& ref) {
   return ref.space == plan::Space::kLL ? resolve_ll(p, c, ref) : resolve(p, c, ref);
+}
+
+// Which of an LL step's N operands are LL slots: bit i for srcs[i]. Read once per step, so the
+// per-vector loop tests bits of a register (uniform across the CTA): the staged step is shared
+// memory, and every load's memory clobber would make the compiler read it again after each load.
+template <int N>
+__device__ __forceinline__ uint32_t ll_operand_mask(const plan::Step& step) {
+  uint32_t mask = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (step.srcs[i].space == plan::Space::kLL) mask |= 1u << i;
+  }
+  return mask;
 }
 
 // Polls payload vector v of LL operand `ref` until its tags are this call's; fails with
@@ -193,26 +219,54 @@ __device__ __forceinline__ uint4 await_ll(const LaunchParams& p, const Call& c, 
   }
 }
 
-// Operands [First, First + K) of an LL step for payload vector v: plain ones loaded, LL ones
-// polled until their tags say this call's data has landed (bounded by p.timeout_ns; a tag of
-// this parity that names another call fails at once), then reset to the stale tag. Operand
-// addresses are re-derived from the staged step (shared memory) at every use rather than held
-// in registers: with eight operands the registers go to the loads in flight.
+// Operands [First, First + K) of an LL step for payload vector v (`ll_mask`: ll_operand_mask):
+// plain ones loaded, LL ones polled until their tags say this call's data has landed (bounded by
+// p.timeout_ns; a tag of this parity that names another call fails at once), then reset to the
+// stale tag.
+//
+// The first look puts the whole group in flight before it looks at any tag: every address
+// first, then every load (the LL words stay raw in lo/hi, 8 registers an LL operand), then the
+// tag checks. A check between two loads would make the second wait for the first's round trip.
+// kLLGroup is the largest group the machine's registers keep that way (primitives_gpu.cuh says
+// how it was measured; tests/sass/check_sass.py checks the SASS). Operand addresses are derived
+// from the staged step (shared memory) again where they are needed after the loads rather than
+// held in registers, and the mask goes through opaque_u32 so that its bits are tested here, not
+// hoisted out of the vector loop one register each.
 template <plan::Direction D, int First, int K>
 __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Call& c,
-                                                int step_index, const plan::Step& step, int v,
-                                                uint4 (&x)[K]) {
+                                                int step_index, const plan::Step& step,
+                                                uint32_t ll_mask, int v, uint4 (&x)[K]) {
   const uint32_t tag = c.ll_tag;
-  uint32_t pending = 0;
-  // First look: every operand of the group in flight at once.
+  ll_mask = opaque_u32(ll_mask);
+  // First look, 1: addresses, before the first load's clobber.
+  const uint4* at[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const plan::BufRef& ref = step.srcs[First + k];
-    if (ref.space == plan::Space::kLL) {
-      uint32_t seen;
-      if (!try_load_ll(resolve_ll(p, c, ref), v, tag, x[k], seen)) pending |= 1u << k;
+    at[k] = (ll_mask >> (First + k)) & 1u ? resolve_ll(p, c, ref) + 2 * v : resolve(p, c, ref) + v;
+  }
+  // First look, 2: every load of the group in flight at once.
+  uint4 lo[K];
+  uint4 hi[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if ((ll_mask >> (First + k)) & 1u) {
+      lo[k] = load_ll(at[k]);
+      hi[k] = load_ll(at[k] + 1);
     } else {
-      x[k] = load_operand<D>(resolve(p, c, ref) + v);
+      lo[k] = load_operand<D>(at[k]);
+      hi[k] = lo[k];
+    }
+  }
+  // First look, 3: the tags, once everything has been asked for.
+  uint32_t pending = 0;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if ((ll_mask >> (First + k)) & 1u) {
+      if (!ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;
+      x[k] = ll_payload(lo[k], hi[k]);
+    } else {
+      x[k] = lo[k];
     }
   }
   // Slow path: wait for the missing ones in operand order, one at a time (by then the others
@@ -229,9 +283,8 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
   const uint32_t stale = plan::ll_stale(tag);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const plan::BufRef& ref = step.srcs[First + k];
-    if (ref.space == plan::Space::kLL) {
-      uint4* ll = resolve_ll(p, c, ref) + 2 * v;
+    if ((ll_mask >> (First + k)) & 1u) {
+      uint4* ll = resolve_ll(p, c, step.srcs[First + k]) + 2 * v;
       store_ll(ll, 0u, 0u, stale);
       store_ll(ll + 1, 0u, 0u, stale);
     }
@@ -242,12 +295,12 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
 // time. acc is only defined after operand 0, so group 0 widens instead of adding.
 template <typename T, plan::Direction D, int First, int N>
 __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call& c, int step_index,
-                                              const plan::Step& step, int v,
+                                              const plan::Step& step, uint32_t ll_mask, int v,
                                               float (&acc)[VecMath<T>::kElems]) {
   using M = VecMath<T>;
   constexpr int K = N - First < kLLGroup ? N - First : kLLGroup;
   uint4 x[K];
-  gather_ll_group<D, First, K>(p, c, step_index, step, v, x);
+  gather_ll_group<D, First, K>(p, c, step_index, step, ll_mask, v, x);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (First + k == 0) {
@@ -260,7 +313,11 @@ __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call&
     }
   }
   if constexpr (First + K < N) {
-    accumulate_ll<T, D, First + K, N>(p, c, step_index, step, v, acc);
+    // This group's sum is done before the next group's loads: otherwise the compiler may defer
+    // the adds past them and hold this group's operands (4 registers each) in place of the sum.
+#pragma unroll
+    for (int e = 0; e < M::kElems; ++e) acc[e] = opaque_f32(acc[e]);
+    accumulate_ll<T, D, First + K, N>(p, c, step_index, step, ll_mask, v, acc);
   }
 }
 
@@ -273,16 +330,17 @@ __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Cal
                                                 plan::VecRange range) {
   // LL slots hold at most plan::kMaxLLPayloadBytes: 32-bit vector indices, fewer registers.
   const int end = static_cast<int>(range.end);
+  const uint32_t ll_mask = opaque_u32(ll_operand_mask<N>(step));
   for (int v = static_cast<int>(range.begin) + static_cast<int>(threadIdx.x); v < end;
        v += static_cast<int>(blockDim.x)) {
     uint4 out;
     if constexpr (N == 1) {
       uint4 x[1];
-      gather_ll_group<D, 0, 1>(p, c, step_index, step, v, x);
+      gather_ll_group<D, 0, 1>(p, c, step_index, step, ll_mask, v, x);
       out = x[0];
     } else {
       float acc[VecMath<T>::kElems];
-      accumulate_ll<T, D, 0, N>(p, c, step_index, step, v, acc);
+      accumulate_ll<T, D, 0, N>(p, c, step_index, step, ll_mask, v, acc);
       out = VecMath<T>::narrow(acc);
     }
     uint4* dst = resolve_any(p, c, step.dst);

@@ -152,15 +152,37 @@ __device__ __forceinline__ void allow_dependent_grids() {
 
 // ------------------------------------------------------------------ control
 
-// LL operands a thread loads before it looks at their tags, all in flight at once: as many as
-// fit in the 64 registers a 1024-thread CTA leaves each thread without a spill (measured with
-// CUDA 13.0; the cuda_executor_no_spills test keeps it honest). Larger groups save round trips
-// to L2 when a reduce has more operands than one group.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+// LL operands a thread loads before it looks at their tags, all in flight at once (executor.cuh,
+// gather_ll_group). Per architecture, the largest group for which CUDA 13.0's ptxas, in all six
+// executor kernels, both keeps everything in the 64 registers a 1024-thread CTA leaves each
+// thread (no spill, no stack frame: cuda_executor_no_spills) and issues every LL load of a group
+// before its first tag compare (tests/sass/check_sass.py). Measured per kernel:
+//   group 4: clean on sm_100; fp32 spills (4-8 bytes) on sm_86/89/120; no spill on sm_80/90, but
+//            ptxas gives a later operand's load the registers of an earlier operand's data, so
+//            that operand's tag compares move above the load (the look is half serial);
+//   group 3: clean on sm_120; fp32 spills on sm_86/89; half-serial looks on sm_80/90/100;
+//   group 2: clean on sm_86/89/90; on sm_80 two of sixteen fp32 looks still compare early.
+// Larger groups save round trips when a reduce has more operands than one group.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 inline constexpr int kLLGroup = 3;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+inline constexpr int kLLGroup = 4;
 #else
-inline constexpr int kLLGroup = plan::kMaxSources;
+inline constexpr int kLLGroup = 2;
 #endif
+
+// The value itself, as something new each time: the compiler can neither re-derive it from what
+// it was computed from nor hoist what is computed from it out of the loop it is called in. An LL
+// step's operand mask (executor.cuh) thus stays one register, tested bit by bit where it is used,
+// instead of one register per operand for the whole loop. An empty asm: no instruction.
+__device__ __forceinline__ uint32_t opaque_u32(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+__device__ __forceinline__ float opaque_f32(float v) {
+  asm volatile("" : "+f"(v));
+  return v;
+}
 
 // True for the one caller that turns the word from 0 to 1 (a device-memory CAS: atomics on mapped
 // host memory are not atomic over PCIe).

@@ -142,6 +142,10 @@ inline void allow_dependent_grids() {}
 // No register budget: every operand of a reduce in one group.
 inline constexpr int kLLGroup = plan::kMaxSources;
 
+// No optimizer to keep from re-deriving it.
+inline uint32_t opaque_u32(uint32_t v) { return v; }
+inline float opaque_f32(float v) { return v; }
+
 inline bool claim_first(uint32_t* claim) { return cpu_device::atomic_cas(claim, 0u, 1u) == 0u; }
 inline void publish_claim(uint32_t* claim) { std::atomic_ref<uint32_t>(*claim).store(2u); }
 // A poll, like a flag load.

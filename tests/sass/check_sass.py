@@ -1,0 +1,344 @@
+#!/usr/bin/env python3
+"""Checks the CUDA executor's machine code (SASS): the LL first look is parallel, nothing spills.
+
+    check_sass.py --tools DIR --object launch.cu.o          # the object the build made (CTest)
+    check_sass.py --tools DIR --compile --arch 90 --arch 120 [--csrc DIR] [--nvcc PATH]
+    ... [--order-archs 86,89,90,100,120]    # where (a) fails the check; elsewhere it is reported
+
+DIR is where .ci/setup unpacked the PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm
+(the script finds bin/cuobjdump below it). --object may be repeated; an argument holding a ;-separated
+list (as CMake's $<TARGET_OBJECTS> gives it) keeps only the objects named launch.cu*. Every architecture in the object is checked. --compile builds
+csrc/transport/executors/cuda/launch.cu (of --csrc, default this tree's) for each --arch instead.
+Python 3 standard library only. Exit 0: every check passed; 1: a check failed; 2: nothing to
+check (a missing tool or object, or SASS in which the heuristic below finds no LL first look:
+then the heuristic needs updating, and the check says so rather than pass).
+
+What is checked, in every executor kernel (executor_kernel<T, D>) of every architecture:
+
+(b) No local memory: no LDL or STL instruction (a spill, or an array the compiler could not keep
+    in registers). ptxas's own -warn-spills also catches spills; this catches any local memory.
+
+(a) The first look of an LL group is parallel: every LL load of the group is issued before the
+    first compare of any of the group's tags. (gather_ll_group in executor.cuh: a compare between
+    two loads makes the second load wait for the first one's round trip.)
+
+The heuristic for (a), on the instruction listing in address order:
+
+  * An LL load pair is how load_ll reads payload vector v of an LL slot: two 16-byte global
+    loads from the same base register at offsets o and o + 0x10 (the LL vectors 2v and 2v + 1),
+    under the same guard predicate, both volatile (LDG.E.128 with STRONG.SYS in SASS). Plain
+    operands (ld.cg/ld.cv) are single 16-byte loads: they never form such a pair in the executor.
+  * A tag word is register d+1 or d+3 of either load's destination quad d..d+3 ({data, tag,
+    data, tag}), followed through plain register moves (MOV, IMAD.MOV) until overwritten.
+  * A tag compare is an ISETP that reads a tag word.
+  * A first look is what lies between two separators: a store or atomic (the LL resets, the
+    result's store), a read of the global timer (await_ll, the slow path, starts with one, and
+    so does its every timeout check), a backward branch (a loop), a barrier, fence, call, trap
+    or exit. The code of one group's first look contains none of these, so it is one window;
+    the slow path's polls and the next group are in other windows.
+  * In each window, the last LL load must come before the first tag compare. The old shape
+    (each operand's tags compared right after its own pair, before the next operand's loads)
+    fails this in every window with two or more LL pairs.
+
+The check also requires that the executor kernels hold windows with two or more LL pairs at
+all: if none are found the SASS has changed shape and the heuristic must be revisited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = Path("transport/executors/cuda/launch.cu")
+KERNEL = "executor_kernel"
+
+INSN = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:(@!?U?P[T0-9]+)\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+ARCH = re.compile(r"^\s*arch = (sm_\d+[a-z]?)")
+FUNCTION = re.compile(r"^\s*Function : (\S+)")
+REG = re.compile(r"\bR(\d+)\b")
+ADDRESS = re.compile(r"\[(R\d+)(?:\.64)?(?:\s*\+\s*(0x[0-9a-f]+|\d+))?\]\s*$")
+STORE = re.compile(r"^(ST[GSL]?|ATOMS?|ATOMG|RED[GE]?)(\.|$)")
+SEPARATOR_OPS = ("EXIT", "RET", "CALL", "BPT", "BAR", "MEMBAR", "FENCE", "ERRBAR", "WARPSYNC",
+                 "BRK", "KILL")
+MOVES = ("MOV", "IMAD.MOV", "IMAD.MOV.U32")
+# How many registers the first operand of these writes (the rest write one).
+WIDE = ((".128", 4), (".64", 2), ("IMAD.WIDE", 2), ("LDC.64", 2), ("CS2R", 2))
+
+
+@dataclass
+class Insn:
+    addr: int
+    pred: str  # "" when unguarded
+    op: str
+    args: list[str]
+    text: str
+
+    def dests(self) -> list[int]:
+        if not self.args or STORE.match(self.op) or self.op.startswith(("BRA", "ISETP", "FSETP")):
+            return []
+        m = re.fullmatch(r"R(\d+)", self.args[0].strip())
+        if not m:
+            return []
+        width = next((w for key, w in WIDE if key in self.op), 1)
+        return list(range(int(m.group(1)), int(m.group(1)) + width))
+
+    def sources(self) -> set[int]:
+        skip = 1 if self.dests() else 0
+        return {int(r) for a in self.args[skip:] for r in REG.findall(a)}
+
+
+@dataclass
+class Pair:
+    lo: Insn
+    hi: Insn
+    index: int  # position of the later of the two loads
+
+
+@dataclass
+class Window:
+    insns: list[Insn] = field(default_factory=list)
+    pairs: list[Pair] = field(default_factory=list)
+    first_compare: tuple[int, Insn] | None = None
+
+
+def parse(sass: str) -> dict[tuple[str, str], list[Insn]]:
+    """{(arch, function): instructions} for the executor kernels of a cuobjdump -sass listing."""
+    out: dict[tuple[str, str], list[Insn]] = {}
+    arch, current = "?", None
+    for line in sass.splitlines():
+        if m := ARCH.match(line):
+            arch = m.group(1)
+            continue
+        if m := FUNCTION.match(line):
+            current = out.setdefault((arch, m.group(1)), []) if KERNEL in m.group(1) else None
+            continue
+        if current is not None and (m := INSN.match(line)):
+            args = [a.strip() for a in m.group(4).split(",")] if m.group(4).strip() else []
+            current.append(Insn(int(m.group(1), 16), m.group(2) or "", m.group(3), args,
+                                f"/*{m.group(1)}*/ {(m.group(2) or '') + ' '}{m.group(3)} "
+                                f"{m.group(4).strip()}".replace("  ", " ")))
+    return out
+
+
+def is_ll_load(i: Insn) -> bool:
+    return i.op.startswith("LDG") and ".128" in i.op and "STRONG.SYS" in i.op
+
+
+def is_separator(i: Insn) -> bool:
+    if STORE.match(i.op) or i.op.split(".")[0] in SEPARATOR_OPS:
+        return True
+    if any("SR_GLOBALTIMER" in a for a in i.args):
+        return True
+    if i.op.startswith("BRA") and i.args:
+        target = re.match(r"`?\(?(0x[0-9a-f]+)", i.args[-1])
+        if target and int(target.group(1), 16) <= i.addr:
+            return True
+    return False
+
+
+def negation(pred: str) -> str:
+    return pred.replace("@!", "@") if pred.startswith("@!") else pred.replace("@", "@!")
+
+
+def windows(insns: list[Insn]) -> list[Window]:
+    """The listing cut at separators, each piece with its LL pairs and its first tag compare."""
+    found: list[Window] = []
+    w = Window()
+    open_lo: list[tuple[Insn, str, int]] = []  # loads waiting for their +0x10 partner
+    tags: dict[int, str] = {}  # register -> guard predicate of the pair it came from
+
+    def close() -> None:
+        nonlocal w
+        if w.pairs:
+            found.append(w)
+        w = Window()
+        open_lo.clear()
+        tags.clear()
+
+    for i in insns:
+        if is_separator(i):
+            close()
+            continue
+        w.insns.append(i)
+        index = len(w.insns) - 1
+        if i.op.startswith("ISETP") and w.first_compare is None and tags.keys() & i.sources():
+            w.first_compare = (index, i)
+        if is_ll_load(i) and (m := ADDRESS.search(i.args[-1])):
+            base, offset = m.group(1), int(m.group(2) or "0", 0)
+            lo = next((x for x in open_lo if x[1] == base and x[2] == offset - 0x10 and
+                       x[0].pred == i.pred), None)
+            if lo is not None:
+                open_lo.remove(lo)
+                w.pairs.append(Pair(lo[0], i, index))
+                for d in (lo[0].dests()[1::2] + i.dests()[1::2]):
+                    tags[d] = i.pred
+                continue  # its destinations are the tags just recorded
+            open_lo.append((i, base, offset))
+        written = i.dests()
+        if not written:
+            continue
+        # A base register rewritten: loads before it cannot pair with loads after it.
+        open_lo[:] = [x for x in open_lo if int(x[1][1:]) not in written]
+        src = re.fullmatch(r"R(\d+)", i.args[-1]) if i.op in MOVES else None
+        for d in written:
+            if src and int(src.group(1)) in tags:
+                tags[d] = tags[int(src.group(1))]
+            elif d in tags and not (i.pred and tags[d] == negation(i.pred)):
+                del tags[d]
+    close()
+    return found
+
+
+@dataclass
+class Report:
+    arch: str
+    kernel: str
+    lmem: list[Insn]
+    looks: int  # windows with two or more LL pairs
+    widest: int
+    late: list[Window]  # windows where a tag compare precedes an LL load
+
+
+def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
+    lmem = [i for i in insns if i.op.startswith(("LDL", "STL"))]
+    multi = [w for w in windows(insns) if len(w.pairs) >= 2]
+    late = [w for w in multi if w.first_compare and w.first_compare[0] < w.pairs[-1].index]
+    return Report(arch, kernel, lmem, len(multi), max((len(w.pairs) for w in multi), default=0),
+                  late)
+
+
+def short(kernel: str) -> str:
+    m = re.search(r"executor_kernelI(.+?)LNS_4plan9DirectionE(\d)", kernel)
+    if not m:
+        return kernel
+    dtype = {"13__nv_bfloat16": "bf16", "6__half": "fp16", "f": "fp32"}.get(m.group(1), m.group(1))
+    return f"executor_kernel<{dtype}, {'push' if m.group(2) == '0' else 'pull'}>"
+
+
+def excerpt(w: Window) -> str:
+    """The window's LL loads and its first tag compare, in listing order."""
+    marks = {id(p.lo): "LL load" for p in w.pairs} | {id(p.hi): "LL load" for p in w.pairs}
+    assert w.first_compare is not None
+    marks[id(w.first_compare[1])] = "first tag compare"
+    lines = [f"      {i.text:70} <- {marks[id(i)]}" for i in w.insns if id(i) in marks]
+    return "\n".join(lines)
+
+
+def find_cuobjdump(tools: Path) -> Path:
+    hits = sorted(p for p in tools.rglob("cuobjdump") if p.is_file() and p.parent.name == "bin")
+    if not hits:
+        sys.stderr.write(f"check_sass: no bin/cuobjdump under {tools}: run .ci/setup (it installs "
+                         "the PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm there)\n")
+        sys.exit(2)
+    return hits[-1]
+
+
+def compile_objects(nvcc: str, csrc: Path, archs: list[str], into: Path) -> list[Path]:
+    objects = []
+    for arch in archs:
+        obj = into / f"launch_sm{arch}.o"
+        cmd = [nvcc, "-std=c++20", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+               f"-I{csrc}", "-c", str(csrc / LAUNCH), "-o", str(obj)]
+        done = subprocess.run(cmd, text=True, capture_output=True)
+        if done.returncode != 0:
+            sys.stderr.write(f"check_sass: {' '.join(cmd)} failed:\n{done.stderr[-4000:]}\n")
+            sys.exit(2)
+        objects.append(obj)
+    return objects
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tools", type=Path, required=True,
+                        help="where .ci/setup unpacked the cuobjdump and nvdisasm wheels")
+    parser.add_argument("--object", action="append", default=[],
+                        help="an object holding the executor (repeatable; ';'-separated lists too)")
+    parser.add_argument("--compile", action="store_true", help="compile launch.cu instead")
+    parser.add_argument("--arch", action="append", default=[], help="with --compile: 90, 120, ...")
+    parser.add_argument("--csrc", type=Path, default=ROOT / "csrc", help="with --compile")
+    parser.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="with --compile")
+    parser.add_argument("--order-archs", default="",
+                        help="comma-separated architectures (90, sm_90) where a serial first look "
+                        "fails the check (default: every one); elsewhere it is only reported")
+    args = parser.parse_args()
+    start = time.monotonic()
+    cuobjdump = find_cuobjdump(args.tools)
+    env = dict(os.environ, PATH=f"{cuobjdump.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.compile:
+            objects = compile_objects(args.nvcc, args.csrc.resolve(), args.arch or ["90", "120"],
+                                      Path(tmp))
+        else:
+            objects = [Path(o) for a in args.object for o in a.split(";")
+                       if o and (";" not in a or "launch.cu" in Path(o).name)]
+        if not objects:
+            sys.stderr.write("check_sass: no object to check (no --object, or a list without "
+                             "launch.cu's object, and no --compile)\n")
+            return 2
+        kernels: dict[tuple[str, str], list[Insn]] = {}
+        for obj in objects:
+            if not obj.is_file():
+                sys.stderr.write(f"check_sass: {obj} does not exist (build the project first)\n")
+                return 2
+            done = subprocess.run([str(cuobjdump), "-sass", str(obj)], text=True,
+                                  capture_output=True, env=env)
+            if done.returncode != 0:
+                sys.stderr.write(f"check_sass: cuobjdump -sass {obj} failed:\n{done.stderr}\n")
+                return 2
+            kernels |= parse(done.stdout)
+
+    if not kernels:
+        sys.stderr.write("check_sass: no executor_kernel in the SASS: the heuristic needs updating\n")
+        return 2
+    enforced = {a.strip() if a.strip().startswith("sm_") else f"sm_{a.strip()}"
+                for a in args.order_archs.split(",") if a.strip()}
+    failed, blind, reported = False, False, 0
+    for (arch, kernel), insns in sorted(kernels.items()):
+        r = check(arch, kernel, insns)
+        enforce = not enforced or arch in enforced
+        verdict = []
+        if r.lmem:
+            failed = True
+            verdict.append(f"FAIL local memory: {len(r.lmem)} LDL/STL, first {r.lmem[0].text}")
+        if r.looks == 0:
+            blind = True
+            verdict.append("NO LL FIRST LOOK FOUND (two or more LL load pairs in one window): "
+                           "the heuristic needs updating")
+        if r.late:
+            failed |= enforce
+            reported += not enforce
+            verdict.append(f"{'FAIL' if enforce else 'REPORTED (not enforced on ' + arch + ')'} "
+                           f"serial first look: in {len(r.late)} of {r.looks} first looks a tag "
+                           "compare comes before the group's last LL load")
+        status = "; ".join(verdict) if verdict else "ok"
+        print(f"{arch:7} {short(kernel):32} {len(insns):6} insns, no LDL/STL: "
+              f"{'no' if r.lmem else 'yes'}, first looks with 2+ LL operands: {r.looks} "
+              f"(widest {r.widest}) -> {status}")
+        if r.late:
+            print(excerpt(r.late[0]))
+    seconds = time.monotonic() - start
+    if failed:
+        print(f"check_sass: FAILED ({seconds:.1f} s)")
+        return 1
+    if blind:
+        print(f"check_sass: NOTHING CHECKED for (a) in some kernel ({seconds:.1f} s)")
+        return 2
+    seen = {arch for arch, _ in kernels}
+    where = f" on {', '.join(sorted(seen & enforced))}" if enforced else ""
+    note = f"; {reported} kernels with a serial first look where it is not enforced" if reported else ""
+    print(f"check_sass: passed: {len(kernels)} executor kernels, no local memory, every LL first "
+          f"look issues all its loads before its first tag compare{where}{note} ({seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
