@@ -207,12 +207,14 @@ plan::ExecutorModel executor_model_from(const py::dict& overrides) {
       e.first_look_group = py::cast<int>(value);
     } else if (name == "parallel_first_look") {
       e.parallel_first_look = py::cast<bool>(value);
+    } else if (name == "parallel_relooks") {
+      e.parallel_relooks = py::cast<bool>(value);
     } else if (name == "multi_destination_copies") {
       e.multi_destination_copies = py::cast<bool>(value);
     } else {
       throw std::invalid_argument("unknown executor-model field '" + name +
                                   "'; known: first_look_group, parallel_first_look, "
-                                  "multi_destination_copies");
+                                  "parallel_relooks, multi_destination_copies");
     }
   }
   return e;
@@ -222,6 +224,7 @@ py::dict executor_model_dict(const plan::ExecutorModel& e) {
   py::dict out;
   out["first_look_group"] = e.first_look_group;
   out["parallel_first_look"] = e.parallel_first_look;
+  out["parallel_relooks"] = e.parallel_relooks;
   out["multi_destination_copies"] = e.multi_destination_copies;
   return out;
 }

@@ -16,8 +16,9 @@ namespace pcie_ar::plan {
 
 ExecutorModel current_executor() {
   ExecutorModel e;
-  e.first_look_group = 3;              // kLLGroup on sm_100+ (primitives_gpu.cuh)
-  e.parallel_first_look = false;       // gather_ll_group: each LL compare follows its own load
+  e.first_look_group = 3;              // kLLGroup on sm_120 (primitives_gpu.cuh)
+  e.parallel_first_look = true;        // gather_ll_group: loads, then compares (tests/sass)
+  e.parallel_relooks = false;          // a missed operand: await_ll, one at a time
   e.multi_destination_copies = false;  // one copy step per destination; fused steps refused
   return e;
 }
@@ -256,7 +257,7 @@ class Model {
                         chunk_bytes_ * (src.space == Space::kLL ? kLLExpansion : 1));
       }
       t = first;
-      if (e_.parallel_first_look && !missed.empty()) {
+      if (e_.parallel_relooks && !missed.empty()) {
         // Every look re-loads all of the group's pending operands: one more look after the
         // last of them lands.
         const BufRef* last = &step.srcs[missed[0]];

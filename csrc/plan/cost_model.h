@@ -50,14 +50,16 @@ struct LatencyModel {
 
 // What the executor's code does that the model cannot read from the step lists.
 struct ExecutorModel {
-  // Operands a thread takes at a time (kLLGroup in the executor's primitives: 3 on sm_100 and
-  // later, the PCIe Blackwell hosts this project is for; 8 before).
+  // Operands a thread takes at a time (kLLGroup in primitives_gpu.cuh: 2 below sm_100, 4 on
+  // sm_100, 3 on sm_120, the PCIe Blackwell hosts this project is for).
   int first_look_group = 3;
-  // True when a group's loads all issue before the first tag compare, and every later look
-  // re-loads all of its pending operands at once; false when each LL operand's compare waits for
-  // its own load before the next operand's load issues and pending operands are awaited one at a
-  // time (every LL operand then costs one more round trip per vector).
-  bool parallel_first_look = false;
+  // True when a group's loads all issue before its first tag compare; false when each LL
+  // operand's compare waits for its own load before the next operand's load issues (every LL
+  // operand then ends a wave: one more round trip per vector).
+  bool parallel_first_look = true;
+  // True when a look after a miss re-loads every missing operand of the group at once; false
+  // when the missing ones are awaited one at a time, in operand order (one more look each).
+  bool parallel_relooks = false;
   // Consecutive copies of one source to several destinations load it once (a multi-destination
   // copy); false: each copy re-loads its source and waits for it before it stores.
   bool multi_destination_copies = false;
