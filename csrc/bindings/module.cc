@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <type_traits>
 
 #include "comm/communicator.h"
 #include "plan/cost_model.h"
@@ -152,10 +153,11 @@ py::dict cost_dict(const plan::Cost& c) {
   return out;
 }
 
-// The cost model's constants by name: what Python passes as `constants=` and gets back from
-// latency_model(). One list, so a constant added to the model is settable at once.
+// The cost model's constants and its executor assumptions by name: what Python passes as
+// `constants=` / `executor=` and gets back from latency_model() / executor_model(). One list per
+// struct, so a field added to the model is settable and shown at once.
 template <typename F>
-void for_each_constant(plan::LatencyModel& l, F&& f) {
+void for_each_field(plan::LatencyModel& l, F&& f) {
   f("launch_us", l.launch_us);
   f("local_load_us", l.local_load_us);
   f("posted_write_us", l.posted_write_us);
@@ -171,62 +173,40 @@ void for_each_constant(plan::LatencyModel& l, F&& f) {
   f("socket_link_gbps", l.socket_link_gbps);
 }
 
-py::dict latency_model_dict(plan::LatencyModel l) {
+template <typename F>
+void for_each_field(plan::ExecutorModel& e, F&& f) {
+  f("first_look_group", e.first_look_group);
+  f("parallel_first_look", e.parallel_first_look);
+  f("parallel_relooks", e.parallel_relooks);
+  f("multi_destination_copies", e.multi_destination_copies);
+}
+
+template <typename Model>
+py::dict fields_dict(Model m) {
   py::dict out;
-  for_each_constant(l, [&](const char* name, double& value) { out[name] = value; });
+  for_each_field(m, [&](const char* name, const auto& value) { out[name] = value; });
   return out;
 }
 
-plan::LatencyModel latency_model_from(const py::dict& overrides) {
-  plan::LatencyModel l;
+// `m` with the fields `overrides` names set; std::invalid_argument for a name it lacks.
+template <typename Model>
+Model with_overrides(Model m, const py::dict& overrides, const std::string& what) {
   std::string known;
-  for_each_constant(l, [&](const char* name, double&) {
+  for_each_field(m, [&](const char* name, const auto&) {
     known += (known.empty() ? "" : ", ") + std::string(name);
   });
   for (const auto& [key, value] : overrides) {
     const auto name = py::cast<std::string>(key);
     bool found = false;
-    for_each_constant(l, [&](const char* n, double& field) {
+    for_each_field(m, [&](const char* n, auto& field) {
       if (name == n) {
-        field = py::cast<double>(value);
+        field = py::cast<std::decay_t<decltype(field)>>(value);
         found = true;
       }
     });
-    if (!found) {
-      throw std::invalid_argument("unknown cost-model constant '" + name + "'; known: " + known);
-    }
+    if (!found) throw std::invalid_argument("unknown " + what + " '" + name + "'; known: " + known);
   }
-  return l;
-}
-
-plan::ExecutorModel executor_model_from(const py::dict& overrides) {
-  plan::ExecutorModel e = plan::current_executor();
-  for (const auto& [key, value] : overrides) {
-    const auto name = py::cast<std::string>(key);
-    if (name == "first_look_group") {
-      e.first_look_group = py::cast<int>(value);
-    } else if (name == "parallel_first_look") {
-      e.parallel_first_look = py::cast<bool>(value);
-    } else if (name == "parallel_relooks") {
-      e.parallel_relooks = py::cast<bool>(value);
-    } else if (name == "multi_destination_copies") {
-      e.multi_destination_copies = py::cast<bool>(value);
-    } else {
-      throw std::invalid_argument("unknown executor-model field '" + name +
-                                  "'; known: first_look_group, parallel_first_look, "
-                                  "parallel_relooks, multi_destination_copies");
-    }
-  }
-  return e;
-}
-
-py::dict executor_model_dict(const plan::ExecutorModel& e) {
-  py::dict out;
-  out["first_look_group"] = e.first_look_group;
-  out["parallel_first_look"] = e.parallel_first_look;
-  out["parallel_relooks"] = e.parallel_relooks;
-  out["multi_destination_copies"] = e.multi_destination_copies;
-  return out;
+  return m;
 }
 
 // The step-list counts, and with nbytes the modelled time of one call on a GPU transport.
@@ -246,7 +226,8 @@ py::dict schedule_cost(const plan::Schedule& s, std::optional<int64_t> nbytes,
       plan::model_cost(s, *nbytes,
                        kind == transport::Kind::kCudaHost ? plan::Placement::kHostMemory
                                                           : plan::Placement::kDeviceMemory,
-                       latency_model_from(constants), executor_model_from(executor));
+                       with_overrides(plan::LatencyModel{}, constants, "cost-model constant"),
+                       with_overrides(plan::current_executor(), executor, "executor-model field"));
   out["modelled_us"] = r.modelled_us;
   out["latency_us"] = r.latency_us;
   out["bandwidth_us"] = r.bandwidth_us;
@@ -366,10 +347,27 @@ void bind_schedules(py::module_& m) {
       "Chooses the reduce kernels of later CPU all-reduces in this process (ValueError when "
       "this CPU does not run them).");
   m.def(
-      "latency_model", [] { return latency_model_dict(plan::LatencyModel{}); },
+      "buildable_tactics",
+      [](int world, const std::vector<int>& island_of) {
+        py::list out;
+        for (const plan::Tactic& t : plan::buildable_tactics(world, island_of)) {
+          py::dict d;
+          d["algorithm"] = std::string(plan::algorithm_name(t.algorithm));
+          d["direction"] = std::string(plan::direction_name(t.direction));
+          d["staged"] = t.staged;
+          d["protocol"] = std::string(plan::protocol_name(t.protocol));
+          out.append(d);
+        }
+        return out;
+      },
+      py::arg("world"), py::arg("island_of"),
+      "Every (algorithm, direction, staged, protocol) the builders accept for this world and "
+      "island map, in the plan layer's fixed order.");
+  m.def(
+      "latency_model", [] { return fields_dict(plan::LatencyModel{}); },
       "The cost model's default constants (µs, GB/s), by name.");
   m.def(
-      "executor_model", [] { return executor_model_dict(plan::current_executor()); },
+      "executor_model", [] { return fields_dict(plan::current_executor()); },
       "What the cost model assumes of today's CUDA executor.");
   m.def("algorithms", [] {
     std::vector<std::string> names;

@@ -25,6 +25,12 @@ ExecutorModel current_executor() {
 
 namespace {
 
+std::string fixed(double us) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f", us);
+  return text;
+}
+
 // A moment on some rank's critical path, and the chain of latencies that led to it.
 struct Timed {
   double us = 0.0;
@@ -34,9 +40,7 @@ struct Timed {
   void add(double cost_us, const std::string& what) {
     us += cost_us;
     ++trips;
-    char cost[32];
-    std::snprintf(cost, sizeof(cost), " %.2f", cost_us);
-    path.push_back(what + cost);
+    path.push_back(what + " " + fixed(cost_us));
   }
 };
 
@@ -73,14 +77,13 @@ class Model {
       progress = false;
       for (int r = 0; r < s_.world; ++r) {
         const auto& program = s_.programs[r];
-        while (pc[r] < program.size() && ready(r, program[pc[r]])) {
+        while (pc[r] < program.size()) {
+          // A reduce runs alone; signals and waits run as runs, a run of waits once all are in.
           size_t end = pc[r] + 1;
           if (program[pc[r]].kind != StepKind::kReduce) {
             while (end < program.size() && program[end].kind == program[pc[r]].kind) ++end;
-            if (program[pc[r]].kind == StepKind::kWait && !run_ready(r, program, pc[r], end)) {
-              break;
-            }
           }
+          if (!ready(r, program, pc[r], end)) break;
           execute(r, program, pc[r], end);
           pc[r] = end;
           progress = true;
@@ -107,18 +110,12 @@ class Model {
  private:
   using Key = std::tuple<int, int, int, int>;  // (space, owner, slot, chunk)
 
-  static std::string fixed(double us) {
-    char text[32];
-    std::snprintf(text, sizeof(text), "%.2f", us);
-    return text;
-  }
+  static bool is_slot(const BufRef& b) { return b.space == Space::kSlot || b.space == Space::kLL; }
 
   Key key(int r, const BufRef& b, int chunk) const {
-    const bool slot = b.space == Space::kSlot || b.space == Space::kLL;
+    const bool slot = is_slot(b);
     return {static_cast<int>(b.space), slot ? b.owner : r, slot ? b.slot : 0, chunk};
   }
-
-  bool is_slot(const BufRef& b) const { return b.space == Space::kSlot || b.space == Space::kLL; }
   bool crosses(int a, int b) const { return s_.island_of[a] != s_.island_of[b]; }
 
   // A step can start once everything it waits for exists: its LL operands written, its flag
@@ -134,20 +131,26 @@ class Model {
     return true;
   }
 
-  bool run_ready(int r, const std::vector<Step>& program, size_t begin, size_t end) const {
+  bool ready(int r, const std::vector<Step>& program, size_t begin, size_t end) const {
     for (size_t i = begin; i < end; ++i) {
       if (!ready(r, program[i])) return false;
     }
     return true;
   }
 
-  // The latency of one load (or poll) of `b` by rank r, and what to call it.
+  // The latency of one load (or poll) by rank r of something in `owner`'s workspace (a slot or
+  // a flag), and what to call it.
+  std::pair<double, std::string> workspace_read_cost(int r, int owner) const {
+    if (host_) return {l_.host_read_us, "host memory read"};
+    if (owner == r) return {l_.local_load_us, "local load"};
+    return crosses(r, owner) ? std::pair{l_.peer_read_cross_us, std::string("peer read, across")}
+                             : std::pair{l_.peer_read_us, std::string("peer read")};
+  }
+
+  // The same for an operand: the rank's own input and output are always in its GPU's memory.
   std::pair<double, std::string> load_cost(int r, const BufRef& b) const {
     if (!is_slot(b)) return {l_.local_load_us, "local load"};
-    if (host_) return {l_.host_read_us, "host memory read"};
-    if (b.owner == r) return {l_.local_load_us, "local load"};
-    return crosses(r, b.owner) ? std::pair{l_.peer_read_cross_us, std::string("peer read, across")}
-                               : std::pair{l_.peer_read_us, std::string("peer read")};
+    return workspace_read_cost(r, b.owner);
   }
 
   // From a store by rank r to `owner`'s memory until the owner (or anyone) can read it.
@@ -240,7 +243,7 @@ class Model {
       // The first look: every load of the wave in flight, the wave done when the slowest is back.
       const Timed start = t;
       Timed first = start;
-      std::vector<int> missed;
+      std::vector<std::pair<int, const Timed*>> missed;  // (operand, when it landed)
       for (int k = i; k < wave_end; ++k) {
         const BufRef& src = step.srcs[k];
         const auto [cost, kind] = load_cost(r, src);
@@ -252,7 +255,7 @@ class Model {
         }
         first = later(first, look);
         const auto it = regions_.find(key(r, src, step.chunk));
-        if (it != regions_.end() && it->second.us > start.us) missed.push_back(k);
+        if (it != regions_.end() && it->second.us > start.us) missed.emplace_back(k, &it->second);
         traffic_of_load(step.stage, r, src,
                         chunk_bytes_ * (src.space == Space::kLL ? kLLExpansion : 1));
       }
@@ -260,24 +263,22 @@ class Model {
       if (e_.parallel_relooks && !missed.empty()) {
         // Every look re-loads all of the group's pending operands: one more look after the
         // last of them lands.
-        const BufRef* last = &step.srcs[missed[0]];
-        for (int k : missed) {
-          if (regions_.at(key(r, step.srcs[k], step.chunk)).us >
-              regions_.at(key(r, *last, step.chunk)).us) {
-            last = &step.srcs[k];
-          }
+        auto last = missed.front();
+        for (const auto& m : missed) {
+          if (m.second->us > last.second->us) last = m;
         }
-        const auto [cost, kind] = load_cost(r, *last);
-        Timed seen = later(t, regions_.at(key(r, *last, step.chunk)));
-        seen.add(cost, where + ": a look sees " + operand_text(*last) + " land (" + kind + ")");
+        const BufRef& src = step.srcs[last.first];
+        const auto [cost, kind] = load_cost(r, src);
+        Timed seen = later(t, *last.second);
+        seen.add(cost, where + ": a look sees " + operand_text(src) + " land (" + kind + ")");
         t = seen;
       } else {
         // Pending operands are awaited one at a time, in operand order: each costs at least
         // one more look, after the one before it.
-        for (int k : missed) {
+        for (const auto& [k, landed] : missed) {
           const BufRef& src = step.srcs[k];
           const auto [cost, kind] = load_cost(r, src);
-          Timed seen = later(t, regions_.at(key(r, src, step.chunk)));
+          Timed seen = later(t, *landed);
           seen.add(cost, where + ": poll sees " + operand_text(src) + " land (" + kind + ")");
           t = seen;
         }
@@ -323,18 +324,10 @@ class Model {
     Timed done = t;
     for (size_t i = begin; i < end; ++i) {
       const Step& step = program[i];
-      const Timed& raised = flags_.at({step.flag_owner, step.flag});
-      double cost = l_.local_load_us;
-      std::string kind = "local poll";
-      if (host_) {
-        cost = l_.host_read_us;
-        kind = "host memory poll";
-      } else if (step.flag_owner != r) {
-        cost = crosses(r, step.flag_owner) ? l_.peer_read_cross_us : l_.peer_read_us;
-        kind = "peer poll";
-      }
-      Timed seen = later(t, raised);
-      seen.add(cost, where + ": " + kind + " sees the flag of " + rank_text(step.peer));
+      const auto [cost, kind] = workspace_read_cost(r, step.flag_owner);
+      Timed seen = later(t, flags_.at({step.flag_owner, step.flag}));
+      seen.add(cost,
+               where + ": a poll sees the flag of " + rank_text(step.peer) + " (" + kind + ")");
       done = later(done, seen);
     }
     t = done;

@@ -66,41 +66,32 @@ def buckets() -> List[Tuple[int, Optional[int], int]]:
 def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: int,
                  constants: Optional[Dict[str, float]] = None,
                  executor: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
-    """Every tactic the builders accept here (push only over P2P), fastest first by the model."""
+    """Every tactic the builders accept here (push only over P2P), fastest first by the model;
+    a tie goes to the unstaged tactic (fewer fences), then to the plan layer's order."""
     rows = []
-    for algorithm in _C.algorithms():
-        if _C.why_unsupported(algorithm, world, list(island_of)) is not None:
-            continue
+    for t in _C.buildable_tactics(world, list(island_of)):
         # Pull over P2P is the fabric's call: some switches collapse on peer writes, root
         # complexes on peer reads (docs/tuning.md), and the model knows neither; only a tune
         # may pick it there. On host memory both directions cross the same links.
-        directions = ("push", "pull") if transport == "cuda_host" else ("push",)
-        for direction in directions:
-            for staged in (False, True):  # a tie goes to fewer fences
-                for protocol in ("flag", "ll"):
-                    if _C.why_unsupported(algorithm, world, list(island_of), direction, staged,
-                                          protocol) is not None:
-                        continue
-                    if protocol == "ll" and nbytes > MAX_LL_BYTES:
-                        continue
-                    s = _C.build_schedule(algorithm, world, list(island_of), direction, staged,
-                                          protocol)
-                    c = s.cost(nbytes, transport=transport, constants=constants or {},
-                               executor=executor or {})
-                    rows.append({"algorithm": algorithm, "direction": direction,
-                                 "staged": staged, "protocol": protocol,
-                                 "modelled_us": c["modelled_us"],
-                                 "serial_round_trips": c["serial_round_trips"]})
-    # Ties go to the earlier tactic in the builders' order (stable sort).
-    rows.sort(key=lambda r: round(r["modelled_us"], 6))
+        if t["direction"] == "pull" and transport != "cuda_host":
+            continue
+        if t["protocol"] == "ll" and nbytes > MAX_LL_BYTES:
+            continue
+        s = _C.build_schedule(t["algorithm"], world, list(island_of), t["direction"],
+                              t["staged"], t["protocol"])
+        c = s.cost(nbytes, transport=transport, constants=constants or {},
+                   executor=executor or {})
+        rows.append({**t, "modelled_us": c["modelled_us"],
+                     "serial_round_trips": c["serial_round_trips"]})
+    rows.sort(key=lambda r: (round(r["modelled_us"], 6), r["staged"]))
     return rows
 
 
-def _row_text(key: str, world: str, lo: int, hi: Optional[int], best: Dict[str, Any],
-              judged: int) -> str:
+def _tactic_columns(best: Dict[str, Any], judged: int) -> str:
+    """Table columns 6.. of a derived row: the tactic and its launch shape."""
     blocks, threads = launch_shape(best["protocol"], judged)
-    text = (f"{key},{world},*,{lo},{'*' if hi is None else hi},{best['algorithm']},"
-            f"{best['direction']},{int(best['staged'])},{blocks},{threads}")
+    text = (f"{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},"
+            f"{threads}")
     return text + (",ll" if best["protocol"] == "ll" else "")
 
 
@@ -109,24 +100,17 @@ def derive_rows(key: str, world: str, island_of: Sequence[int], transport: str,
                 executor: Optional[Dict[str, Any]] = None) -> List[str]:
     """The table rows of one topology key: adjacent buckets with the same best tactic and launch
     shape merge into one row."""
-    rows: List[str] = []
-    current: Optional[Tuple[str, int, Optional[int], Dict[str, Any], int]] = None
+    runs: List[List[Any]] = []  # [min_bytes, max_bytes or None, columns]
     for lo, hi, judged in buckets():
         best = rank_tactics(len(island_of), island_of, transport, judged, constants,
                             executor)[0]
-        same = (current is not None and
-                _row_text(key, world, 0, 0, current[3], current[4]) ==
-                _row_text(key, world, 0, 0, best, judged))
-        if same:
-            current = (current[0], current[1], hi, current[3], current[4])
-            continue
-        if current is not None:
-            rows.append(_row_text(key, current[0], current[1], current[2], current[3],
-                                  current[4]))
-        current = (world, lo, hi, best, judged)
-    assert current is not None
-    rows.append(_row_text(key, current[0], current[1], current[2], current[3], current[4]))
-    return rows
+        columns = _tactic_columns(best, judged)
+        if runs and runs[-1][2] == columns:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi, columns])
+    return [f"{key},{world},*,{lo},{'*' if hi is None else hi},{columns}"
+            for lo, hi, columns in runs]
 
 
 def derive_seed_rows(constants: Optional[Dict[str, float]] = None,

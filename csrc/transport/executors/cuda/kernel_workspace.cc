@@ -125,26 +125,20 @@ std::optional<plan::Diagnostic> CudaKernelWorkspace::failure() const {
   return read_diag(diag_host_);
 }
 
+uint32_t* CudaKernelWorkspace::probe_words(int owner, int writer) const {
+  return reinterpret_cast<uint32_t*>(view_.bases[owner] +
+                                     view_.layout.slot_offset(0, plan::slot_from_rank(writer)));
+}
+
 void CudaKernelWorkspace::probe_write(uint32_t nonce) {
   if (!peers_open_) throw std::logic_error("probe_write(): open_peers() has not run");
   DeviceGuard guard(device_);
-  const plan::Layout& l = view_.layout;
-  for (int p = 0; p < l.world; ++p) {
-    if (p == rank()) continue;
-    auto* dst = reinterpret_cast<uint32_t*>(view_.bases[p] +
-                                            l.slot_offset(0, plan::slot_from_rank(rank())));
-    check(launch_probe(dst, nonce, rank(), p),
+  // Every peer's slab, and our own (a local store, the pattern the peers' read probe loads).
+  for (int p = 0; p < view_.layout.world; ++p) {
+    check(launch_probe(probe_words(p, rank()), nonce, rank(), p),
           "launching the P2P probe to rank " + std::to_string(p));
   }
-  // Our own pattern in our own slot, for the peers' read probe (a local store).
-  check(launch_probe(own_probe_words(), nonce, rank(), rank()),
-        "launching the P2P probe's own pattern");
   check(cudaDeviceSynchronize(), "the P2P probe writes from rank " + std::to_string(rank()));
-}
-
-uint32_t* CudaKernelWorkspace::own_probe_words() const {
-  return reinterpret_cast<uint32_t*>(view_.bases[rank()] +
-                                     view_.layout.slot_offset(0, plan::slot_from_rank(rank())));
 }
 
 std::vector<int> CudaKernelWorkspace::probe_read(uint32_t nonce) const {
@@ -152,23 +146,20 @@ std::vector<int> CudaKernelWorkspace::probe_read(uint32_t nonce) const {
     throw std::logic_error("probe_read(): the workspace was freed");
   DeviceGuard guard(device_);
   const plan::Layout& l = view_.layout;
+  // Where the read probe lands: a slot of ours that nothing uses during the probe.
+  auto* landing = reinterpret_cast<uint32_t*>(view_.bases[rank()] +
+                                              l.slot_offset(0, plan::slot_staged_input(l.world)));
   std::vector<int> failed;
   for (int q = 0; q < l.world; ++q) {
     if (q == rank()) continue;
     uint32_t words[kProbeWords];
     // cudaMemcpyDefault: the slab is device memory (cuda_ipc) or mapped host memory (cuda_host).
-    check(cudaMemcpy(words, view_.bases[rank()] + l.slot_offset(0, plan::slot_from_rank(q)),
-                     sizeof(words), cudaMemcpyDefault),
+    check(cudaMemcpy(words, probe_words(rank(), q), sizeof(words), cudaMemcpyDefault),
           "reading the P2P probe from rank " + std::to_string(q));
     bool intact = true;
     for (int i = 0; i < kProbeWords; ++i) intact &= words[i] == probe_word(nonce, q, rank(), i);
-    // The read probe: a kernel loads q's own pattern out of q's slab, as pull kernels load, into
-    // a slot of ours that nothing uses during the probe.
-    auto* landing = reinterpret_cast<uint32_t*>(view_.bases[rank()] +
-                                                l.slot_offset(0, plan::slot_staged_input(l.world)));
-    const auto* theirs = reinterpret_cast<const uint32_t*>(
-        view_.bases[q] + l.slot_offset(0, plan::slot_from_rank(q)));
-    check(launch_probe_read(theirs, landing),
+    // The read probe: a kernel loads q's own pattern out of q's slab, as pull kernels load.
+    check(launch_probe_read(probe_words(q, q), landing),
           "launching the P2P read probe of rank " + std::to_string(q));
     check(cudaDeviceSynchronize(), "the P2P read probe of rank " + std::to_string(q));
     check(cudaMemcpy(words, landing, sizeof(words), cudaMemcpyDefault),

@@ -79,8 +79,8 @@ class CudaKernelWorkspace : public Workspace {
 
  private:
   int install(const plan::Program& program) override;
-  // Where probe_write() puts this rank's own pattern (its own slot of its own slab).
-  uint32_t* own_probe_words() const;
+  // Where the P2P probe's words from `writer` live in `owner`'s slab (writer's slot, parity 0).
+  uint32_t* probe_words(int owner, int writer) const;
   std::optional<std::string> transport_limits(const plan::Tactic& tactic) const override;
   // Frees the uploaded programs and the claim word; appends what failed to `errors`.
   void release_kernel_state(std::string& errors);
