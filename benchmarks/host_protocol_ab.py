@@ -1,4 +1,4 @@
-"""Flag protocol vs LL (flag-in-data) on the host transport, side by side in one run.
+"""Flag protocol vs LL and lamport (flag-in-data) on the host transport, side by side in one run.
 
 Every candidate is a one-row tuning table forcing one tactic; all candidates live in the same
 processes at once and are timed in interleaved rounds (the order rotates each round), so the
@@ -31,6 +31,8 @@ CANDIDATES = {  # name -> one table row (topology ... threads, protocol)
     "oneshot/ll": "*,*,*,0,*,oneshot,push,0,1,32,ll",
     "twoshot/flag": "*,*,*,0,*,twoshot,push,0,1,32,flag",
     "twoshot/ll": "*,*,*,0,*,twoshot,push,0,1,32,ll",
+    "oneshot/lamport": "*,*,*,0,*,oneshot,push,0,1,32,lamport",
+    "twoshot/lamport": "*,*,*,0,*,twoshot,push,0,1,32,lamport",
 }
 
 

@@ -176,6 +176,7 @@ void for_each_field(plan::LatencyModel& l, F&& f) {
 template <typename F>
 void for_each_field(plan::ExecutorModel& e, F&& f) {
   f("first_look_group", e.first_look_group);
+  f("dense_first_look_group", e.dense_first_look_group);
   f("parallel_first_look", e.parallel_first_look);
   f("parallel_relooks", e.parallel_relooks);
   f("multi_destination_copies", e.multi_destination_copies);
@@ -372,6 +373,11 @@ void bind_schedules(py::module_& m) {
   m.def("algorithms", [] {
     std::vector<std::string> names;
     for (const auto name : plan::kAlgorithmNames.names()) names.emplace_back(name);
+    return names;
+  });
+  m.def("protocols", [] {
+    std::vector<std::string> names;
+    for (const auto name : plan::kProtocolNames.names()) names.emplace_back(name);
     return names;
   });
 }

@@ -220,7 +220,7 @@ std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& 
   if (auto why = plan::why_unsupported(t, options_.world, options_.island_of)) return why;
   // The layout is agreed by every rank (handshake), so this depends only on the call's size.
   const int64_t ll_capacity = workspace_->layout().ll_capacity_bytes;
-  if (t.protocol == plan::Protocol::kLL && bytes > ll_capacity) {
+  if (plan::flag_in_data(t.protocol) && bytes > ll_capacity) {
     return "a " + std::to_string(bytes) + "-byte message exceeds the LL slots (" +
            std::to_string(ll_capacity) + " bytes)";
   }

@@ -17,6 +17,7 @@ namespace pcie_ar::plan {
 ExecutorModel current_executor() {
   ExecutorModel e;
   e.first_look_group = 3;              // kLLGroup on sm_120 (primitives_gpu.cuh)
+  e.dense_first_look_group = 4;        // kLLDenseGroup on sm_120
   e.parallel_first_look = true;        // gather_ll_group: loads, then compares (tests/sass)
   e.parallel_relooks = false;          // a missed operand: await_ll, one at a time
   e.multi_destination_copies = false;  // one copy step per destination; fused steps refused
@@ -57,6 +58,7 @@ class Model {
         l_(l),
         e_(e),
         chunk_bytes_(static_cast<double>(nbytes) / s.num_chunks),
+        ll_expansion_(s.protocol == Protocol::kLamport ? 1 : kLLExpansion),
         now_(s.world),
         tx_(s.world, 0.0),
         rx_(s.world, 0.0),
@@ -185,7 +187,7 @@ class Model {
   }
 
   // Bytes a rank moves over the links for one operand load or one store. On host memory an LL
-  // operand's reset to the stale tag goes back over the link too.
+  // operand's reset to kLLEmpty goes back over the link too.
   void traffic_of_load(int stage, int r, const BufRef& b, double bytes) {
     if (!is_slot(b)) return;
     if (host_) {
@@ -234,7 +236,8 @@ class Model {
         key(r, program[index - 1].srcs[0], step.chunk) == key(r, step.srcs[0], step.chunk);
     int i = 0;
     while (i < step.num_srcs) {
-      const int group = std::max(1, e_.first_look_group);
+      const int group = std::max(
+          1, s_.protocol == Protocol::kLamport ? e_.dense_first_look_group : e_.first_look_group);
       const int group_end = std::min<int>(step.num_srcs, (i / group + 1) * group);
       int wave_end = i;
       while (wave_end < group_end) {
@@ -257,7 +260,7 @@ class Model {
         const auto it = regions_.find(key(r, src, step.chunk));
         if (it != regions_.end() && it->second.us > start.us) missed.emplace_back(k, &it->second);
         traffic_of_load(step.stage, r, src,
-                        chunk_bytes_ * (src.space == Space::kLL ? kLLExpansion : 1));
+                        chunk_bytes_ * (src.space == Space::kLL ? ll_expansion_ : 1));
       }
       t = first;
       if (e_.parallel_relooks && !missed.empty()) {
@@ -288,7 +291,7 @@ class Model {
     // Stores are posted: the rank goes on at once; the data is readable where it lands later.
     for (int d = 0; d < step.num_dsts; ++d) {
       const BufRef& dst = d == 0 ? step.dst : step.dst2;
-      const double bytes = chunk_bytes_ * (ll_dst ? kLLExpansion : 1);
+      const double bytes = chunk_bytes_ * (ll_dst ? ll_expansion_ : 1);
       traffic_of_store(step.stage, r, dst, bytes);
       if (is_slot(dst) && (host_ || dst.owner != r)) wrote_out_[r] = true;
       Timed landed = t;
@@ -363,6 +366,7 @@ class Model {
   const LatencyModel& l_;
   const ExecutorModel& e_;
   const double chunk_bytes_;
+  const int ll_expansion_;  // LL slot bytes per payload byte: 2 (tagged), 1 (lamport)
   std::vector<Timed> now_;
   std::vector<double> tx_, rx_;
   // The peers each rank sends to (receives from) in each stage, P2P only (host memory is one

@@ -50,9 +50,11 @@ struct LatencyModel {
 
 // What the executor's code does that the model cannot read from the step lists.
 struct ExecutorModel {
-  // Operands a thread takes at a time (kLLGroup in primitives_gpu.cuh: 2 below sm_100, 4 on
-  // sm_100, 3 on sm_120, the PCIe Blackwell hosts this project is for).
+  // Operands a thread takes at a time (kLLGroup in primitives_gpu.cuh: 3 on sm_120, the PCIe
+  // Blackwell hosts this project is for, 2 elsewhere).
   int first_look_group = 3;
+  // The same for Lamport operands (kLLDenseGroup: 4 on sm_100 and sm_120, kLLGroup below).
+  int dense_first_look_group = 4;
   // True when a group's loads all issue before its first tag compare; false when each LL
   // operand's compare waits for its own load before the next operand's load issues (every LL
   // operand then ends a wave: one more round trip per vector).

@@ -48,7 +48,9 @@ Layout make_layout(int64_t max_numel, int world, int elem_bytes, int max_blocks)
   l.flag_parity_stride = l.flag_block_stride * static_cast<uint64_t>(max_blocks);
   l.slot_bytes = align_up(static_cast<uint64_t>(max_numel) * elem_bytes);
   l.ll_capacity_bytes = std::min<int64_t>(max_numel * elem_bytes, kMaxLLPayloadBytes);
-  l.ll_offset = align_up(l.flags_offset + 2 * l.flag_parity_stride);
+  l.ll_header_offset_base = align_up(l.flags_offset + 2 * l.flag_parity_stride);
+  const uint64_t header_bytes = 2ull * l.num_slots * kMaxWorld * max_blocks * kLLHeaderBytes;
+  l.ll_offset = align_up(l.ll_header_offset_base + header_bytes);
   l.ll_slot_bytes = align_up(static_cast<uint64_t>(l.ll_capacity_bytes) * kLLExpansion);
   l.ll_parity_stride = l.ll_slot_bytes * static_cast<uint64_t>(l.num_slots);
   l.control_bytes = l.ll_offset + 2 * l.ll_parity_stride;
@@ -62,6 +64,9 @@ void check_layout(const Layout& layout) {
   if (layout.world < 2 || layout.world > kMaxWorld || layout.max_blocks < 1 ||
       layout.total_bytes == 0 || layout.control_bytes > layout.data_offset ||
       layout.ll_offset + 2 * layout.ll_parity_stride > layout.control_bytes ||
+      layout.ll_header_offset(1, layout.num_slots - 1, kMaxWorld - 1, layout.max_blocks - 1) +
+              kLLHeaderBytes >
+          layout.ll_offset ||
       layout.ll_slot_bytes < static_cast<uint64_t>(layout.ll_capacity_bytes) * kLLExpansion ||
       layout.num_slots < num_slots_for(layout.world) ||
       layout.num_flags < num_flags_for(layout.world)) {
@@ -84,14 +89,9 @@ void initialize_control(void* control, const Layout& layout, uint64_t initial_ge
       }
     }
   }
-  // A parity-p LL slot is only ever read at generations of parity p: a tag of the other parity
-  // never reads as arrived.
-  for (int parity = 0; parity < 2; ++parity) {
-    const uint64_t stale = ll_word(0, static_cast<uint32_t>(parity ^ 1));
-    unsigned char* area = bytes + layout.ll_slot_offset(parity, 0);
-    for (uint64_t at = 0; at < layout.ll_parity_stride; at += sizeof(stale)) {
-      std::memcpy(area + at, &stale, sizeof(stale));
-    }
+  // Every LL header and slot word empty: nothing has arrived, in either format.
+  for (uint64_t at = layout.ll_header_offset_base; at < layout.control_bytes; at += 4) {
+    std::memcpy(bytes + at, &kLLEmpty, sizeof(kLLEmpty));
   }
 }
 
@@ -104,6 +104,7 @@ uint64_t layout_hash(const Layout& layout) {
                              static_cast<uint64_t>(layout.num_slots),
                              static_cast<uint64_t>(layout.num_flags),
                              layout.flags_offset,
+                             layout.ll_header_offset_base,
                              layout.ll_offset,
                              layout.ll_slot_bytes,
                              static_cast<uint64_t>(layout.ll_capacity_bytes),

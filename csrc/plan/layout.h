@@ -4,9 +4,10 @@
 //
 //   [generation counters: uint64 per block]          128-byte aligned
 //   [flags: FlagWord[2 parities][max_blocks][num_flags]]
+//   [LL headers: 32 bytes[2 parities][num_slots][kMaxWorld chunks][max_blocks]]   lamport only
 //   [LL:    ll_slot_bytes[2 parities][num_slots]]    LL words: 8 payload bytes per 16
 //   [data:  slot_bytes[2 parities][num_slots]]       each slot holds a whole message
-// Counters, flags and LL slots are the control area: initialisation writes all of it.
+// Counters, flags, LL headers and LL slots are the control area: initialisation writes all of it.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +27,7 @@ inline constexpr int kFlagsPerWriter = 4;  // signals one rank sends into one fl
 // small messages; the tuner decides where it stops paying, below this.
 inline constexpr int64_t kMaxLLPayloadBytes = 256 * 1024;
 inline constexpr int kLLExpansion = 2;  // an LL slot stores 8 payload bytes per 16
+inline constexpr int kLLHeaderBytes = kLLExpansion * kVectorBytes;  // a lamport slice's header
 // Slot roles. Slot s < world holds rank s's contribution; the rest have one job each.
 PCIE_AR_HD int slot_from_rank(int rank) { return rank; }
 PCIE_AR_HD int slot_staged_input(int world) { return world; }  // pull: own input, readable
@@ -45,6 +47,7 @@ struct Layout {
   uint64_t flags_offset = 0;
   uint64_t flag_parity_stride = 0;
   uint64_t flag_block_stride = 0;
+  uint64_t ll_header_offset_base = 0;
   uint64_t ll_offset = 0;
   uint64_t ll_slot_bytes = 0;  // kLLExpansion * ll_capacity_bytes
   uint64_t ll_parity_stride = 0;
@@ -52,7 +55,7 @@ struct Layout {
   uint64_t data_offset = 0;
   uint64_t slot_bytes = 0;
   uint64_t data_parity_stride = 0;
-  uint64_t control_bytes = 0;  // gen counters + flags + LL slots: what initialisation writes
+  uint64_t control_bytes = 0;  // counters, flags, LL headers and slots: what initialisation writes
   uint64_t total_bytes = 0;
 
   PCIE_AR_HD uint64_t gen_counter_offset(int block) const {
@@ -66,6 +69,15 @@ struct Layout {
   PCIE_AR_HD uint64_t ll_slot_offset(int parity, int slot) const {
     return ll_offset + static_cast<uint64_t>(parity) * ll_parity_stride +
            static_cast<uint64_t>(slot) * ll_slot_bytes;
+  }
+  // The header of the slice of LL slot `slot` that block `block` of chunk `chunk` writes under
+  // the lamport protocol (plan/protocol.h): one LL payload vector (two LL vectors), one writer
+  // per call.
+  PCIE_AR_HD uint64_t ll_header_offset(int parity, int slot, int chunk, int block) const {
+    const uint64_t index =
+        ((static_cast<uint64_t>(parity) * num_slots + slot) * kMaxWorld + chunk) * max_blocks +
+        block;
+    return ll_header_offset_base + index * kLLHeaderBytes;
   }
   PCIE_AR_HD uint64_t slot_offset(int parity, int slot) const {
     return data_offset + static_cast<uint64_t>(parity) * data_parity_stride +
@@ -84,7 +96,7 @@ void check_layout(const Layout& layout);
 
 // Writes the control area of a fresh workspace: every generation counter and every flag set
 // to `initial_gen`, so the first call expects initial_gen + 1 (tests start near 2^32 to cross
-// the wrap of the LL tags' 32 bits), and every LL word tagged stale (plan/protocol.h).
+// the wrap of the LL tags' 32 bits), and every word of the LL headers and slots kLLEmpty.
 // `control` points at control_bytes bytes.
 void initialize_control(void* control, const Layout& layout, uint64_t initial_gen);
 

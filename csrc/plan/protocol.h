@@ -10,11 +10,23 @@
 // payload, 32-bit tag}; the tag is ll_tag(gen, numel, signature), so it names this generation
 // AND this call. A 16-byte vector is stored as {d0, tag, d1, tag}: each 8-byte half validates
 // itself, so a write torn at 8 bytes (PCIe) is harmless. The reader polls its own memory until
-// both tags of a vector match, uses the payload, and then writes the tags back as ll_stale(tag):
-// the opposite generation parity, which no generation that reads this parity-buffered slot can
-// ever match. That reset is what makes a 32-bit tag safe forever: without it, a word that a
-// large call once wrote and no later call touched would read as valid again when the low 32 bits
-// of the generation (or the call's hash) came round, and silently hand stale data to a reader.
+// both tags of a vector match, uses the payload, and then writes the vector back as empty
+// (kLLEmpty in every 32-bit word), which no tag ever equals. That reset is what makes a 32-bit
+// tag safe forever: without it, a word that a large call once wrote and no later call touched
+// would read as valid again when the low 32 bits of the generation (or the call's hash) came
+// round, and silently hand stale data to a reader.
+//
+// Lamport (dense flag-in-data) protocol: the same slots, steps and resets, but no tag. A slot
+// holds the payload itself, one 16-byte vector per 16 payload bytes (half of LL's bytes on the
+// link), and a 32-bit word has arrived when it is no longer kLLEmpty. A writer never stores
+// kLLEmpty: it writes every negative zero as positive zero (ll_dense_word), which changes a sum
+// only where every operand of it was -0. 32-bit words are single-copy atomic (a .v2.u64 access
+// is two 64-bit ones by the PTX rule), so a word is either empty or the writer's value. What the
+// payload no longer says, the call it belongs to, travels in one header per (slot, chunk, block)
+// (Layout::ll_header_offset): an LL vector {0, tag, 0, tag} the writer stores beside its data and
+// the reader awaits and resets like any LL vector, so a peer in another call is still named
+// (kLLMismatch) rather than summed. Because both formats reset to kLLEmpty everywhere they read,
+// a slot is all kLLEmpty between calls, whichever format the last call used.
 #pragma once
 
 #include <cstdint>
@@ -40,20 +52,41 @@ PCIE_AR_HD bool gen_reached(uint64_t seen, uint64_t expected) { return seen >= e
 
 PCIE_AR_HD int gen_parity(uint64_t gen) { return static_cast<int>(gen & 1u); }
 
+// What every 32-bit word of an LL slot (and of an LL header) holds when nothing is in it: the
+// reset both formats write after they read, and the state initialisation leaves. It is the bits
+// of fp32 -0 and of the 16-bit pair {+0, -0}, which a Lamport writer never stores
+// (ll_dense_word), and no ll_tag() equals it.
+inline constexpr uint32_t kLLEmpty = 0x80000000u;
+
 // The tag of every LL word of a call: the low 32 bits of the generation with a 31-bit hash of
 // the call folded in above the parity bit, so bit 0 is always the generation's parity. A peer
 // that entered this generation with a different call writes a different tag (the reader reports
-// a mismatch instead of reducing garbage).
+// a mismatch instead of reducing garbage). kLLEmpty (parity 0) is moved aside, parity kept.
 PCIE_AR_HD uint32_t ll_tag(uint64_t gen, uint32_t numel, uint32_t signature) {
   uint32_t h = numel * 0x9E3779B1u ^ signature;
   h ^= h >> 15;
   h *= 0x2C1B3C6Du;
   h ^= h >> 13;
-  return static_cast<uint32_t>(gen) ^ (h << 1);
+  const uint32_t tag = static_cast<uint32_t>(gen) ^ (h << 1);
+  return tag == kLLEmpty ? tag ^ 2u : tag;
 }
 
-// What a consumed LL word's tag becomes: the other parity, never valid in this word's slot.
-PCIE_AR_HD uint32_t ll_stale(uint32_t tag) { return tag ^ 1u; }
+// A Lamport payload word as a writer stores it: a 16-bit or 32-bit negative zero becomes
+// positive zero, so no stored word is kLLEmpty. `elem_bytes` is 2 (bf16, fp16) or 4 (fp32).
+PCIE_AR_HD uint32_t ll_dense_word(uint32_t word, int elem_bytes) {
+  if (elem_bytes == 4) return word == 0x80000000u ? 0u : word;
+  // Branch-free, per 16-bit half: m is zero exactly in the -0 halves; `nonzero` has the top
+  // bit of every half where m is not zero (the low 15 bits added to 0x7FFF carry into it, or
+  // it was set already); the -0 halves lose their sign bit, the others keep every bit.
+  const uint32_t m = word ^ 0x80008000u;
+  const uint32_t nonzero = (((m & 0x7FFF7FFFu) + 0x7FFF7FFFu) | m) & 0x80008000u;
+  return word & (nonzero | 0x7FFF7FFFu);
+}
+
+// True when a Lamport vector (four 32-bit words) has fully arrived.
+PCIE_AR_HD bool ll_dense_arrived(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return (a != kLLEmpty) & (b != kLLEmpty) & (c != kLLEmpty) & (d != kLLEmpty);
+}
 
 // One LL word, as the host stores it with a single 64-bit atomic: payload low, tag high.
 PCIE_AR_HD uint64_t ll_word(uint32_t payload, uint32_t tag) {
@@ -62,10 +95,11 @@ PCIE_AR_HD uint64_t ll_word(uint32_t payload, uint32_t tag) {
 PCIE_AR_HD uint32_t ll_word_tag(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
 PCIE_AR_HD uint32_t ll_word_payload(uint64_t word) { return static_cast<uint32_t>(word); }
 
-// A tag of this slot's parity that is not the expected one: a peer wrote this generation's slot
-// for a different call (or from a different generation: the ranks fell out of step).
+// A tag of this slot's parity that is neither the expected one nor empty: a peer wrote this
+// generation's slot for a different call (or from a different generation: the ranks fell out of
+// step).
 PCIE_AR_HD bool ll_foreign(uint32_t seen, uint32_t expected) {
-  return seen != expected && ((seen ^ expected) & 1u) == 0;
+  return seen != expected && seen != kLLEmpty && ((seen ^ expected) & 1u) == 0;
 }
 
 enum class FailureKind : uint32_t {

@@ -61,7 +61,7 @@ class Builder {
   int world() const { return s_.world; }
   bool staged() const { return s_.staged; }
   bool push() const { return s_.direction == Direction::kPush; }
-  bool ll() const { return s_.protocol == Protocol::kLL; }
+  bool ll() const { return flag_in_data(s_.protocol); }
 
   void reduce(int rank, int chunk, BufRef dst, const std::vector<BufRef>& srcs) {
     Step step;
@@ -423,15 +423,16 @@ namespace pcie_ar::plan {
 std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
                                            const std::vector<int>& island_of) {
   if (auto why = why_unsupported(tactic.algorithm, world, island_of)) return why;
-  if (tactic.protocol != Protocol::kLL) return std::nullopt;
+  if (!flag_in_data(tactic.protocol)) return std::nullopt;
+  const std::string name(protocol_name(tactic.protocol));
   if (tactic.direction != Direction::kPush) {
-    return std::string(
-        "the ll protocol is push-only: a pull reader would poll the writer's memory across the "
-        "fabric, vector by vector");
+    return "the " + name +
+           " protocol is push-only: a pull reader would poll the writer's memory across the "
+           "fabric, vector by vector";
   }
   if (tactic.staged) {
-    return std::string(
-        "the ll protocol is unstaged: every peer's data is read where it lands, as it lands");
+    return "the " + name +
+           " protocol is unstaged: every peer's data is read where it lands, as it lands";
   }
   return std::nullopt;
 }
@@ -441,7 +442,7 @@ std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_
   for (Algorithm algorithm : kAllAlgorithms) {
     for (Direction direction : {Direction::kPush, Direction::kPull}) {
       for (bool staged : {true, false}) {
-        for (Protocol protocol : {Protocol::kFlag, Protocol::kLL}) {
+        for (Protocol protocol : kProtocolNames.values()) {
           const Tactic tactic{algorithm, direction, staged, protocol};
           if (!why_unsupported(tactic, world, island_of)) tactics.push_back(tactic);
         }
@@ -496,6 +497,8 @@ Program encode_program(const Schedule& schedule, int rank) {
   program.num_stages = static_cast<uint8_t>(schedule.num_stages);
   program.num_steps = static_cast<uint16_t>(steps.size());
   program.direction = schedule.direction;
+  program.ll_format =
+      schedule.protocol == Protocol::kLamport ? LLFormat::kDense : LLFormat::kTagged;
   std::copy(steps.begin(), steps.end(), program.steps);
   return program;
 }

@@ -51,6 +51,10 @@ struct Step {
   BufRef dst2;  // kReduce with num_dsts == 2: the second destination, same chunk
 };
 
+// How a program's LL slots hold data (plan/protocol.h): {payload, tag} words (the ll protocol), or
+// the payload itself with one tagged header per slice (lamport). One format per program.
+enum class LLFormat : uint8_t { kTagged = 0, kDense = 1 };
+
 struct Program {
   uint8_t rank = 0;
   uint8_t world = 0;
@@ -58,7 +62,7 @@ struct Program {
   uint8_t num_stages = 0;
   uint16_t num_steps = 0;
   Direction direction = Direction::kPush;  // push programs never read a peer's slot
-  uint8_t reserved = 0;
+  LLFormat ll_format = LLFormat::kTagged;
   Step steps[kMaxSteps];
 };
 

@@ -30,7 +30,14 @@ enum class Direction : uint8_t { kPush = 0, kPull = 1 };
 // every 8-byte word a writer stores carries 4 bytes of payload and a tag derived from the call's
 // generation, so the data is its own flag: no fence, no flag word, the reader polls its own
 // memory per vector. Half the payload per byte moved, so it pays only for small messages.
-enum class Protocol : uint8_t { kFlag = 0, kLL = 1 };
+// Lamport (the sentinel idea of TensorRT-LLM's and FlashInfer's one-shot kernels): the same
+// steps and slots as LL, but the payload is stored as it is and a word has arrived when it is no
+// longer the empty pattern the reader left there; one tagged header per slice names the call.
+// Every payload byte moved once (plan/protocol.h).
+enum class Protocol : uint8_t { kFlag = 0, kLL = 1, kLamport = 2 };
+
+// True for the protocols whose data carries its own arrival (LL slots, no flags): LL and Lamport.
+constexpr bool flag_in_data(Protocol p) { return p == Protocol::kLL || p == Protocol::kLamport; }
 
 // The names of each enum (plan/names.h): what tuning tables, Python and messages call them.
 inline constexpr auto kDTypeNames = name_table<DType>(
@@ -42,8 +49,9 @@ inline constexpr auto kAlgorithmNames =
                                         {Algorithm::kIslandTwoshot, "island_twoshot"}});
 inline constexpr auto kDirectionNames =
     name_table<Direction>("direction", {{Direction::kPush, "push"}, {Direction::kPull, "pull"}});
-inline constexpr auto kProtocolNames =
-    name_table<Protocol>("protocol", {{Protocol::kFlag, "flag"}, {Protocol::kLL, "ll"}});
+inline constexpr auto kProtocolNames = name_table<Protocol>(
+    "protocol",
+    {{Protocol::kFlag, "flag"}, {Protocol::kLL, "ll"}, {Protocol::kLamport, "lamport"}});
 
 inline constexpr auto kAllAlgorithms = kAlgorithmNames.values();
 inline constexpr auto kAllDTypes = kDTypeNames.values();

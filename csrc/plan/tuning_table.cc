@@ -33,47 +33,42 @@ nvlink,*,*,0,*,fallback,,,,
 # GPU rows: ESTIMATES from the cost model (csrc/plan/cost_model.h), not yet measured on a real
 # PCIe host; regenerate them with `python -m pcie_allreduce.tuning.model` after a refit (a test
 # holds them equal to the model). Per bucket, the tactic with the lowest modelled time of one
-# call; push only over P2P (pull is the fabric's call: only a tune may pick it).
-# GPU rows: ESTIMATES from the cost model (csrc/plan/cost_model.h), not yet measured on a real
-# PCIe host; regenerate them with `python -m pcie_allreduce.tuning.model` after a refit (a test
-# holds them equal to the model). Per bucket, the tactic with the lowest modelled time of one
-# call; push only over P2P (pull is the fabric's call: only a tune may pick it).
+# call; push only over P2P (pull is the fabric's call: only a tune may pick it). Decode sizes
+# take lamport (issue 23): LL's steps with the payload moved once.
 # GPUs without peer-to-peer (the cuda_host transport: every workspace in shared pinned host
 # memory): every poll is a PCIe read of host DRAM and every slot byte crosses the GPU's link.
-cuda_host,2,*,0,32768,oneshot,push,0,8,256,ll
-cuda_host,2,*,32768,131072,oneshot,push,0,16,256
+cuda_host,2,*,0,131072,oneshot,push,0,8,256,lamport
 cuda_host,2,*,131072,*,oneshot,push,0,32,512
-cuda_host,4,*,0,4096,oneshot,push,0,8,256,ll
-cuda_host,4,*,4096,131072,oneshot,pull,0,16,256
+cuda_host,4,*,0,32768,oneshot,push,0,8,256,lamport
+cuda_host,4,*,32768,131072,oneshot,pull,0,16,256
 cuda_host,4,*,131072,262144,oneshot,pull,0,32,512
 cuda_host,4,*,262144,*,twoshot,push,0,32,512
-cuda_host,*,*,0,131072,oneshot,pull,0,16,256
+cuda_host,*,*,0,8192,oneshot,push,0,8,256,lamport
+cuda_host,*,*,8192,131072,oneshot,pull,0,16,256
 cuda_host,*,*,131072,524288,twoshot,pull,0,32,512
 cuda_host,*,*,524288,*,twoshot,push,0,32,512
 # Two sockets: reduce inside each island and cross the socket link once.
-islands-2x4,8,*,0,8192,island_oneshot,push,0,8,256,ll
-islands-2x4,8,*,8192,131072,island_twoshot,push,0,8,256,ll
-islands-2x4,8,*,131072,524288,island_twoshot,push,0,32,512
+islands-2x4,8,*,0,16384,island_oneshot,push,0,8,256,lamport
+islands-2x4,8,*,16384,262144,island_twoshot,push,0,8,256,lamport
+islands-2x4,8,*,262144,524288,island_twoshot,push,0,32,512
 islands-2x4,8,*,524288,*,island_twoshot,push,1,32,512
-islands-2x3,6,*,0,16384,island_oneshot,push,0,8,256,ll
-islands-2x3,6,*,16384,131072,island_twoshot,push,0,8,256,ll
-islands-2x3,6,*,131072,262144,island_twoshot,push,0,32,512
+islands-2x3,6,*,0,32768,island_oneshot,push,0,8,256,lamport
+islands-2x3,6,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x3,6,*,262144,*,island_twoshot,push,1,32,512
-islands-2x2,4,*,0,16384,island_oneshot,push,0,8,256,ll
-islands-2x2,4,*,16384,262144,island_twoshot,push,0,8,256,ll
+islands-2x2,4,*,0,2048,oneshot,push,0,8,256,lamport
+islands-2x2,4,*,2048,32768,island_oneshot,push,0,8,256,lamport
+islands-2x2,4,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x2,4,*,262144,*,island_twoshot,push,0,32,512
 # One switch or root complex.
-*,2,*,0,131072,oneshot,push,0,8,256,ll
-*,2,*,131072,*,oneshot,push,0,32,512
-*,4,*,0,16384,oneshot,push,0,8,256,ll
-*,4,*,16384,131072,twoshot,push,0,8,256,ll
-*,4,*,131072,524288,twoshot,push,0,32,512
+*,2,*,0,262144,oneshot,push,0,8,256,lamport
+*,2,*,262144,*,oneshot,push,0,32,512
+*,4,*,0,32768,oneshot,push,0,8,256,lamport
+*,4,*,32768,262144,twoshot,push,0,8,256,lamport
+*,4,*,262144,524288,twoshot,push,0,32,512
 *,4,*,524288,*,twoshot,push,1,32,512
-*,*,*,0,8192,oneshot,push,0,8,256,ll
-*,*,*,8192,16384,oneshot,push,0,16,256
-*,*,*,16384,65536,twoshot,push,0,8,256,ll
-*,*,*,65536,131072,twoshot,push,0,16,256
-*,*,*,131072,1048576,twoshot,push,0,32,512
+*,*,*,0,16384,oneshot,push,0,8,256,lamport
+*,*,*,16384,262144,twoshot,push,0,8,256,lamport
+*,*,*,262144,1048576,twoshot,push,0,32,512
 *,*,*,1048576,*,twoshot,push,1,32,512
 *,*,*,0,*,fallback,,,,
 )csv";

@@ -13,7 +13,7 @@
 // transport have a legacy spelling, accepted in the topology column and by choose() alike:
 // "host" is "host_shm" (CPU tensors), "hostmem" is "cuda_host" (GPUs without peer-to-peer).
 // Parsed rows hold the canonical key, so canonical_text() and hash() are the same either way.
-// The eleventh column, protocol (flag or ll), is optional: absent or empty means flag, so
+// The eleventh column, protocol (flag, ll or lamport), is optional: absent or empty means flag, so
 // ten-column tables stay valid. Columns after the eleventh (measured times written by the
 // tuner) are kept but never matched on.
 //

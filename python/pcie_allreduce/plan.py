@@ -14,6 +14,10 @@ from typing import Optional, Sequence
 from .native import _C
 
 ALGORITHMS = tuple(_C.algorithms())
+PROTOCOLS = tuple(_C.protocols())
+# The protocols whose data carries its own arrival (LL slots, no flags; plan::flag_in_data):
+# every protocol but flag.
+FLAG_IN_DATA = tuple(p for p in PROTOCOLS if p != "flag")
 
 
 def island_map(world: int, islands: Optional[Sequence[Sequence[int]]]) -> list[int]:
@@ -45,7 +49,9 @@ def build(
     """A schedule for `algorithm` on `world` ranks; ValueError says why one cannot be built.
 
     protocol="ll" builds the flag-in-data variant (push, unstaged): no fences, no flag words,
-    every reader polls only its own memory. `.cost()` on the result counts what each rank pays.
+    every reader polls only its own memory; protocol="lamport" the same steps with the payload
+    stored as it is (half of LL's bytes; an empty-word sentinel instead of tags). `.cost()` on
+    the result counts what each rank pays.
     """
     return _C.build_schedule(
         algorithm, world, island_map(world, islands), direction, staged, protocol

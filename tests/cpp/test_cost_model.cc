@@ -196,6 +196,29 @@ TEST(CostModel, BusiestLinkCountsLLTagsAndFanOut) {
   EXPECT_DOUBLE_EQ(flat.modelled_us, flat.latency_us + flat.bandwidth_us);
 }
 
+// Lamport moves the payload once: its busiest link carries the flag protocol's bytes, half of
+// LL's, on P2P and on host memory (where each reader's resets go back over its link too), and
+// its critical path is LL's link for link.
+TEST(CostModel, LamportMovesHalfOfLLsBytesOnTheSamePath) {
+  const int64_t n = 1 << 16;
+  const LatencyModel l;
+  ExecutorModel e = current_executor();
+  e.dense_first_look_group = e.first_look_group;  // the same looks: only the bytes differ
+  for (Placement placement : {Placement::kDeviceMemory, Placement::kHostMemory}) {
+    for (Algorithm a : {Algorithm::kOneshot, Algorithm::kTwoshot}) {
+      const Schedule ll_schedule = build_schedule(a, Direction::kPush, false, 4, {}, Protocol::kLL);
+      const Schedule lamport =
+          build_schedule(a, Direction::kPush, false, 4, {}, Protocol::kLamport);
+      const CostReport ll = model_cost(ll_schedule, n, placement, l, e);
+      const CostReport dense = model_cost(lamport, n, placement, l, e);
+      EXPECT_DOUBLE_EQ(dense.busiest_link_bytes, ll.busiest_link_bytes / 2) << dense.busiest_link;
+      EXPECT_DOUBLE_EQ(dense.latency_us, ll.latency_us) << path_text(dense);
+      EXPECT_EQ(dense.critical_path, ll.critical_path);
+      EXPECT_LT(dense.modelled_us, ll.modelled_us);
+    }
+  }
+}
+
 // Every tactic the builders accept is modelled, on both placements, with a path that starts at
 // the launch and a time that grows with the message.
 TEST(CostModel, EveryBuildableTacticIsModelled) {

@@ -292,7 +292,7 @@ TEST_P(HostChaosKill, EverySurvivorTimesOutNamingWhomItWaitedFor) {
       EXPECT_EQ(rep.outcome, kReturned);
       ASSERT_EQ(rep.error_type, kTransportError);
       const auto kind = static_cast<plan::FailureKind>(rep.diagnostic.kind);
-      const plan::FailureKind timeout = tactics[k.tactic].tactic.protocol == plan::Protocol::kLL
+      const plan::FailureKind timeout = plan::flag_in_data(tactics[k.tactic].tactic.protocol)
                                             ? plan::FailureKind::kLLTimeout
                                             : plan::FailureKind::kTimeout;
       // LL tactics also raise flags (the end-of-call barrier may be a flag wait), so an LL

@@ -91,7 +91,7 @@ TEST(HostShm, LargeMessagesAtMaxNumelAreCorrect) {
   ASSERT_LT(ll_capacity, kMaxNumel * 4);
   for (int t = 0; t < static_cast<int>(w.tactics.size()); ++t) {
     const DType dtype = plan::kAllDTypes[t % 3];
-    const bool ll = w.tactics[t].tactic.protocol == plan::Protocol::kLL;
+    const bool ll = plan::flag_in_data(w.tactics[t].tactic.protocol);
     const int64_t numel = ll ? ll_capacity / plan::dtype_bytes(dtype) : kMaxNumel;
     w.calls.push_back(CallCase{t, dtype, numel, 1 + (n % 4) * 3, n % 2 == 1, ++seed});
     ++n;
@@ -244,7 +244,7 @@ TEST(HostShm, TimeoutNamesThePeerThatNeverCalled) {
 // long before the deadline; flag and LL waits alike. Rank 1 never calls. The timeout is long
 // (10 s) so that only the check can end the wait.
 TEST(HostShm, AnInterruptCheckThatSaysStopEndsAWaitAtOnceAndFailsTheWorkspace) {
-  for (const plan::Protocol protocol : {plan::Protocol::kFlag, plan::Protocol::kLL}) {
+  for (const plan::Protocol protocol : plan::kProtocolNames.values()) {
     SCOPED_TRACE(std::string(plan::protocol_name(protocol)));
     GroupSpec spec = short_timeout_group(2, 5);
     spec.timeout_s = 10.0;
@@ -426,10 +426,20 @@ TEST(HostShm, DifferentAlgorithmsOnTwoRanksFailWithinTheTimeout) {
   expect_disagreement_fails(2, {oneshot, pull}, {64, 64}, false);
 }
 
-TEST(HostShm, LLTimeoutNamesTheWriterThatNeverCalled) {
+// LL and lamport: the data carries its own arrival (lamport: its slice's header names the call).
+class HostShmFlagInData : public ::testing::TestWithParam<plan::Protocol> {
+ protected:
+  static plan::Tactic tactic() {
+    plan::Tactic t = ll_tactic(Algorithm::kOneshot);
+    t.protocol = GetParam();
+    return t;
+  }
+};
+
+TEST_P(HostShmFlagInData, LLTimeoutNamesTheWriterThatNeverCalled) {
   constexpr uint32_t kInitialGen = 0xFFFFFFFFu;  // the first call's tag crosses 2^32
   const GroupSpec spec = short_timeout_group(3, kInitialGen);
-  const auto tactic = ll_tactic(Algorithm::kOneshot);
+  const auto tactic = HostShmFlagInData::tactic();
   const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
     if (env.rank == 2) return stay_silent_while_others_run(env);
     timed_call(ws, env, tactic, 3, 64);
@@ -455,14 +465,14 @@ TEST(HostShm, LLTimeoutNamesTheWriterThatNeverCalled) {
   }
 }
 
-TEST(HostShm, LLCallsThatDisagreeAreAMismatchNotGarbage) {
+TEST_P(HostShmFlagInData, LLCallsThatDisagreeAreAMismatchNotGarbage) {
   // Same generation, different numel: the tags differ, so the reader refuses the data at once.
   GroupSpec spec;
   spec.world = 2;
   spec.layout = plan::make_layout(1024, 2, 4);
   spec.timeout_s = kShortTimeoutS;
   spec.deadline_s = 20.0;
-  const auto tactic = ll_tactic(Algorithm::kOneshot);
+  const auto tactic = HostShmFlagInData::tactic();
   const int64_t numel_of[] = {64, 128};
   const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
     timed_call(ws, env, tactic, 2, numel_of[env.rank]);
@@ -484,11 +494,20 @@ TEST(HostShm, LLCallsThatDisagreeAreAMismatchNotGarbage) {
   }
   EXPECT_GE(mismatches, 1);
   // An LL rank and a flag rank in one generation: nobody reduces garbage, both fail in time.
-  expect_disagreement_fails(
-      2,
-      {ll_tactic(Algorithm::kOneshot), make_tactic(Algorithm::kOneshot, Direction::kPush, false)},
-      {64, 64}, false);
+  expect_disagreement_fails(2, {tactic, make_tactic(Algorithm::kOneshot, Direction::kPush, false)},
+                            {64, 64}, false);
+  // An LL rank and a lamport rank in one generation share the slots but not the format: the
+  // lamport reader never sees a header, the LL reader never sees its tag.
+  if (GetParam() == plan::Protocol::kLamport) {
+    expect_disagreement_fails(2, {ll_tactic(Algorithm::kOneshot), tactic}, {64, 64}, false);
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(Protocols, HostShmFlagInData,
+                         ::testing::Values(plan::Protocol::kLL, plan::Protocol::kLamport),
+                         [](const ::testing::TestParamInfo<plan::Protocol>& info) {
+                           return std::string(plan::protocol_name(info.param));
+                         });
 
 TEST(HostShm, LLAndFlagTacticsInterleaveAcrossManyCallsOfChangingSize) {
   // Large LL calls leave words far into the slots that the small calls in between never touch;
@@ -498,9 +517,9 @@ TEST(HostShm, LLAndFlagTacticsInterleaveAcrossManyCallsOfChangingSize) {
   w.tactics = all_tactics(3, {});
   std::vector<int> ll_index;
   for (int t = 0; t < static_cast<int>(w.tactics.size()); ++t) {
-    if (w.tactics[t].tactic.protocol == plan::Protocol::kLL) ll_index.push_back(t);
+    if (plan::flag_in_data(w.tactics[t].tactic.protocol)) ll_index.push_back(t);
   }
-  ASSERT_EQ(ll_index.size(), 2u);  // oneshot and twoshot
+  ASSERT_EQ(ll_index.size(), 4u);  // oneshot and twoshot, each ll and lamport: they share slots
   for (int i = 0; i < 60; ++i) {
     const bool large = i % 10 == 0;
     const int tactic =
@@ -512,15 +531,19 @@ TEST(HostShm, LLAndFlagTacticsInterleaveAcrossManyCallsOfChangingSize) {
 }
 
 // A sum with +0.0 must give back every fp16 and bf16 value exactly (-0 becomes +0, NaN stays
-// NaN): pins the fp32 conversions both ways, subnormals and infinities included.
-TEST(HostShm, EveryHalfPrecisionValueSurvivesASumWithZero) {
+// NaN): pins the fp32 conversions both ways, subnormals and infinities included. In every
+// protocol: lamport's writer turns -0 into +0 (plan::ll_dense_word), LL's carries it in words.
+class HostShmEveryValue : public ::testing::TestWithParam<plan::Protocol> {};
+
+TEST_P(HostShmEveryValue, EveryHalfPrecisionValueSurvivesASumWithZero) {
   constexpr int64_t kNumel = 65536;
   GroupSpec spec;
   spec.world = 2;
   spec.layout = plan::make_layout(kNumel, 2, 2);
-  const auto tactic = make_tactic(Algorithm::kOneshot, Direction::kPush, false);
+  auto tactic = make_tactic(Algorithm::kOneshot, Direction::kPush, false);
+  tactic.protocol = GetParam();
   const plan::Schedule schedule =
-      plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2);
+      plan::build_schedule(Algorithm::kOneshot, Direction::kPush, false, 2, {}, tactic.protocol);
   const GroupResult g = run_group(spec, [&](HostShmWorkspace& ws, ChildEnv& env) {
     const int program = ws.add_program(plan::encode_program(schedule, env.rank));
     std::vector<uint16_t> input(kNumel);
@@ -559,6 +582,12 @@ TEST(HostShm, EveryHalfPrecisionValueSurvivesASumWithZero) {
   });
   expect_all_returned(g);
 }
+
+INSTANTIATE_TEST_SUITE_P(Protocols, HostShmEveryValue,
+                         ::testing::ValuesIn(plan::kProtocolNames.values()),
+                         [](const ::testing::TestParamInfo<plan::Protocol>& info) {
+                           return std::string(plan::protocol_name(info.param));
+                         });
 
 // The edges of rounding that random inputs rarely reach: overflow to infinity, the tie at the
 // largest finite value, ties to even near 1, NaN and inf - inf.

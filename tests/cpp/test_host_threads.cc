@@ -233,7 +233,7 @@ Workload make_workload(int world, const std::vector<int>& island_of, int64_t max
   int n = 0;
   for (int round = 0; round < kRounds; ++round) {
     for (int t = 0; t < static_cast<int>(w.tactics.size()); ++t) {
-      const bool ll = w.tactics[t].tactic.protocol == plan::Protocol::kLL;
+      const bool ll = plan::flag_in_data(w.tactics[t].tactic.protocol);
       for (DType dtype : plan::kAllDTypes) {
         const int64_t lanes = plan::kVectorBytes / plan::dtype_bytes(dtype);
         int64_t limit = max_numel;

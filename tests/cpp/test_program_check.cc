@@ -51,7 +51,7 @@ TEST(ProgramCheck, EveryBuiltProgramPassesAndPushProgramsReadOnlyLocalMemory) {
           const Program program = encode_program(schedule, r);
           EXPECT_EQ(program.direction, t.direction);
           const ProgramFacts facts = check_program(program, layout, r);
-          EXPECT_EQ(facts.uses_ll, t.protocol == Protocol::kLL);
+          EXPECT_EQ(facts.uses_ll, flag_in_data(t.protocol));
           // The push kernel reads every operand as local memory; a pull program only
           // ever writes its own slots.
           if (t.direction == Direction::kPush) {

@@ -584,7 +584,7 @@ TEST(Cost, LLPaysNoFenceNoFlagAndPollsOnlyItsOwnMemory) {
     const Cost cost = verify(build(c)).cost;
     SCOPED_TRACE(case_name(testing::TestParamInfo<Case>(c, 0)));
     EXPECT_EQ(cost.peer_polls, 0);  // every flag lives with the rank that waits on it
-    if (c.protocol == Protocol::kLL) {
+    if (flag_in_data(c.protocol)) {
       EXPECT_EQ(cost.system_fences, 0);
       EXPECT_EQ(cost.local_waits, 0);
       EXPECT_GT(cost.data_polls, 0);
@@ -771,7 +771,34 @@ TEST(Layout, LLSlotsStartStaleForEveryGenerationOfTheirParity) {
   }
 }
 
-TEST(Protocol, LLTagsNameTheCallAndStaleTagsNeverMatchTheirParity) {
+// Lamport headers: one per (parity, slot, chunk, block), each its own 32 bytes between the
+// flags and the LL slots, and all of them empty after initialisation.
+TEST(Layout, LamportHeadersAreDistinctAndStartEmpty) {
+  const Layout l = make_layout(4096, 3, 2, 2);
+  std::vector<unsigned char> control(l.control_bytes);
+  initialize_control(control.data(), l, 41);
+  std::set<uint64_t> seen;
+  for (int parity = 0; parity < 2; ++parity) {
+    for (int slot = 0; slot < l.num_slots; ++slot) {
+      for (int chunk = 0; chunk < kMaxWorld; ++chunk) {
+        for (int block = 0; block < l.max_blocks; ++block) {
+          const uint64_t at = l.ll_header_offset(parity, slot, chunk, block);
+          EXPECT_GE(at, l.flag_offset(1, l.max_blocks - 1, l.num_flags - 1) + sizeof(FlagWord));
+          EXPECT_LE(at + kLLHeaderBytes, l.ll_offset);
+          EXPECT_TRUE(seen.insert(at).second);
+          for (int w = 0; w < kLLHeaderBytes / 4; ++w) {
+            uint32_t word = 0;
+            std::memcpy(&word, control.data() + at + 4 * w, sizeof(word));
+            EXPECT_EQ(word, kLLEmpty);
+          }
+        }
+      }
+    }
+  }
+  for (uint64_t a : seen) EXPECT_EQ(seen.count(a + 16), 0u);  // 32 bytes apart at least
+}
+
+TEST(Protocol, LLTagsNameTheCallAndTheEmptyWordNeverMatches) {
   const uint32_t a = ll_tag(10, 1024, 0xA5000001u);
   EXPECT_EQ(a & 1u, 0u);  // bit 0 is the generation's parity
   EXPECT_EQ(ll_tag(11, 1024, 0xA5000001u) & 1u, 1u);
@@ -779,19 +806,41 @@ TEST(Protocol, LLTagsNameTheCallAndStaleTagsNeverMatchTheirParity) {
   EXPECT_NE(a, ll_tag(10, 1024, 0xA5000002u));
   EXPECT_TRUE(ll_foreign(ll_tag(10, 2048, 0xA5000001u), a));  // same generation, other call
   EXPECT_TRUE(ll_foreign(ll_tag(12, 1024, 0xA5000001u), a));  // same parity, other generation
-  // A consumed word flips parity: no generation of this slot's parity ever accepts it, even
-  // after 2^32 generations, for any call.
-  const uint32_t stale = ll_stale(a);
-  for (uint64_t gen = 10; gen < 10 + (uint64_t{1} << 33); gen += (uint64_t{1} << 31) + 2) {
+  // A consumed word is kLLEmpty: no generation ever accepts it, even after 2^32 generations,
+  // for any call, and it is never taken for another call's data.
+  for (uint64_t gen = 10; gen < 10 + (uint64_t{1} << 33); gen += (uint64_t{1} << 31) + 1) {
     for (uint32_t numel : {1024u, 8u}) {
       const uint32_t tag = ll_tag(gen, numel, 0xA5000001u);
-      EXPECT_NE(stale, tag);
-      EXPECT_FALSE(ll_foreign(stale, tag));
+      EXPECT_NE(kLLEmpty, tag);
+      EXPECT_FALSE(ll_foreign(kLLEmpty, tag));
     }
   }
+  // The one generation whose tag would be kLLEmpty gets another of the same parity.
+  const uint32_t h = ll_tag(0, 1024, 0xA5000001u);  // the call's hash, generation 0
+  const uint64_t unlucky = (uint64_t{1} << 32) | (h ^ kLLEmpty);
+  EXPECT_NE(ll_tag(unlucky, 1024, 0xA5000001u), kLLEmpty);
+  EXPECT_EQ(ll_tag(unlucky, 1024, 0xA5000001u) & 1u, 0u);
   const uint64_t word = ll_word(0xDEADBEEFu, a);
   EXPECT_EQ(ll_word_payload(word), 0xDEADBEEFu);
   EXPECT_EQ(ll_word_tag(word), a);
+}
+
+// A Lamport writer never stores the empty word: negative zeros become positive zeros, in every
+// 16-bit half (bf16, fp16) or the whole word (fp32), and nothing else changes.
+TEST(Protocol, LamportWordsAreNeverEmpty) {
+  EXPECT_EQ(ll_dense_word(kLLEmpty, 4), 0u);
+  EXPECT_EQ(ll_dense_word(kLLEmpty, 2), 0u);              // {+0, -0} -> {+0, +0}
+  EXPECT_EQ(ll_dense_word(0x80008000u, 2), 0u);           // {-0, -0}
+  EXPECT_EQ(ll_dense_word(0x3F808000u, 2), 0x3F800000u);  // {-0, 1.0}: the -0 half only
+  EXPECT_EQ(ll_dense_word(0x80003F80u, 2), 0x00003F80u);
+  EXPECT_EQ(ll_dense_word(0x80008000u, 4), 0x80008000u);  // an fp32 denormal stays
+  for (uint32_t w : {0u, 1u, 0x3F800000u, 0xFF800000u, 0x7FC00000u, 0x80000001u, 0xFFFFFFFFu}) {
+    EXPECT_EQ(ll_dense_word(w, 4), w);
+    EXPECT_NE(ll_dense_word(w, 4), kLLEmpty);
+    EXPECT_NE(ll_dense_word(w, 2), kLLEmpty);
+  }
+  EXPECT_TRUE(ll_dense_arrived(0u, 1u, 2u, 3u));
+  EXPECT_FALSE(ll_dense_arrived(0u, 1u, kLLEmpty, 3u));
 }
 
 TEST(Layout, SlicesCoverEveryVectorExactlyOnce) {

@@ -95,9 +95,11 @@ TEST(TuningTable, ReadsTheProtocolColumnAndChecksEachSize) {
       "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads,"
       "protocol\n"
       "*,*,*,0,65536,oneshot,push,0,4,128,ll\n"
-      "*,*,*,0,*,oneshot,push,1,8,256\n");
+      "*,*,*,0,*,oneshot,push,1,8,256\n"
+      "*,2,*,0,*,oneshot,push,0,8,256,lamport\n");
   EXPECT_EQ(t.rows()[0].tactic.protocol, Protocol::kLL);
   EXPECT_EQ(t.rows()[1].tactic.protocol, Protocol::kFlag);
+  EXPECT_EQ(t.rows()[2].tactic.protocol, Protocol::kLamport);
   EXPECT_NE(t.hash(), TuningTable::parse("*,*,*,0,65536,oneshot,push,0,4,128\n"
                                          "*,*,*,0,*,oneshot,push,1,8,256\n")
                           .hash());
@@ -112,8 +114,7 @@ TEST(TuningTable, ReadsTheProtocolColumnAndChecksEachSize) {
   ASSERT_EQ(big.skipped.size(), 1u);
   EXPECT_EQ(big.skipped[0].second, "too big for LL");
   EXPECT_NE(parse_error("*,*,*,0,*,oneshot,push,0,4,128,lowlat\n")
-                .find("column protocol must be "
-                      "flag or ll"),
+                .find("column protocol must be flag, ll or lamport"),
             std::string::npos);
 }
 
@@ -313,11 +314,11 @@ TEST(TuningTable, EmbeddedSeedParsesAndSendsNvlinkToTheFallback) {
   EXPECT_TRUE(pick(t, "nvlink", 8, DType::kBF16, 4096).fallback);
   // The GPU rows are the cost model's choices (tests/python/test_plan.py holds them equal to it);
   // what any model must keep: decode sizes across two sockets reduce inside the islands first,
-  // with LL (no fence, no flag word), and no GPU row is staged below 128 KiB.
+  // with the data its own flag (no fence, no flag word), and no GPU row is staged below 128 KiB.
   const TableChoice small = pick(t, "islands-2x4", 8, DType::kBF16, 12288);
   EXPECT_FALSE(small.fallback);
   EXPECT_TRUE(is_island_algorithm(small.tactic.algorithm));
-  EXPECT_EQ(small.tactic.protocol, Protocol::kLL);
+  EXPECT_TRUE(flag_in_data(small.tactic.protocol));
   for (int64_t bytes = 1024; bytes < 128 * 1024; bytes *= 2) {
     EXPECT_FALSE(pick(t, "islands-2x4", 8, DType::kBF16, bytes).tactic.staged) << bytes;
   }
@@ -366,14 +367,14 @@ TEST(TuningTable, LegacyTransportKeysMeanTheTransportsNames) {
 TEST(TuningTable, EmbeddedSeedRunsGpusWithoutP2PThroughHostMemoryAtEverySize) {
   const TuningTable t = TuningTable::embedded();
   for (int world : {2, 4, 8}) {
-    // Decode sizes: one-shot, one round of host-memory round trips (LL at world 2; from world 4
-    // the model prefers pull's single write of each input to LL's doubled, reset bytes).
+    // Decode sizes: one-shot, one round of host-memory round trips, push with the data its own
+    // flag at world 2 (lamport: each input written once per peer, undoubled).
     const TableChoice decode = pick(t, "hostmem", world, DType::kBF16, 12 * 1024);
     ASSERT_FALSE(decode.fallback) << world;
     EXPECT_EQ(decode.tactic.algorithm, Algorithm::kOneshot);
     EXPECT_FALSE(decode.tactic.staged);
     if (world == 2) {
-      EXPECT_EQ(decode.tactic.protocol, Protocol::kLL);
+      EXPECT_TRUE(flag_in_data(decode.tactic.protocol));
       EXPECT_EQ(decode.tactic.direction, Direction::kPush);
     }
     // Its own rows decide (not the P2P estimates below them), at every size.

@@ -237,7 +237,7 @@ std::vector<Case> cases_for(int world) {
       if (island) c.label += " islands " + islands_text(maps[m]);
       c.island = island;
       c.interleaved = m == 2;
-      c.ll = t.protocol == Protocol::kLL;
+      c.ll = plan::flag_in_data(t.protocol);
       cases.push_back(std::move(c));
     }
   }
@@ -919,19 +919,21 @@ int timeout_test(Protocol protocol) {
   }
   std::printf("diagnostic: %s\n", plan::describe_failure(*d, kTimeout).c_str());
   const plan::FailureKind want =
-      protocol == Protocol::kLL ? plan::FailureKind::kLLTimeout : plan::FailureKind::kTimeout;
+      plan::flag_in_data(protocol) ? plan::FailureKind::kLLTimeout : plan::FailureKind::kTimeout;
   bool ok = err != cudaSuccess && d->kind == static_cast<uint32_t>(want) && d->rank == 0 &&
             d->peer == 1 && d->gen_expected == kGen + 1 && s >= 0.9 * kTimeout;
-  if (protocol == Protocol::kLL) {
-    // The LL slot rank 1 writes in rank 0's memory; the tag expected is this call's, and what
-    // was seen is the initial stale tag (nothing of this call arrived).
+  if (plan::flag_in_data(protocol)) {
+    // The LL slot (lamport: its header) rank 1 writes in rank 0's memory; the tag expected is
+    // this call's, and what was seen is the empty word (nothing of this call arrived).
     const uint32_t tag = plan::ll_tag(kGen + 1, 1024, plan::call_signature(DType::kBF16, tactic));
     ok = ok && d->flag_owner == 0 && d->peer_signature == tag &&
          static_cast<uint32_t>(d->gen_seen) != tag;
   }
-  std::printf("%s: expected kind %s, rank 0, peer 1, generation expected %llu, after >= %.1f s\n",
-              ok ? "PASS" : "FAIL", protocol == Protocol::kLL ? "LL timeout" : "timeout",
-              static_cast<unsigned long long>(kGen + 1), 0.9 * kTimeout);
+  std::printf(
+      "%s: expected kind %s timeout, rank 0, peer 1, generation expected %llu, after >= "
+      "%.1f s\n",
+      ok ? "PASS" : "FAIL", std::string(plan::protocol_name(protocol)).c_str(),
+      static_cast<unsigned long long>(kGen + 1), 0.9 * kTimeout);
   return ok ? 0 : 1;
 }
 
@@ -980,9 +982,9 @@ int mismatch_test(Protocol protocol) {
          d->peer_signature == tag_fp16 && static_cast<uint32_t>(d->gen_seen) == tag_bf16);
     ok = ok && d->kind == static_cast<uint32_t>(plan::FailureKind::kLLMismatch) && pair_ok;
   }
-  std::printf("%s: expected kind %s between ranks 0 and 1 (signatures 0x%08x / 0x%08x)\n",
-              ok ? "PASS" : "FAIL", protocol == Protocol::kLL ? "LL mismatch" : "mismatch",
-              sig_bf16, sig_fp16);
+  std::printf("%s: expected kind %s mismatch between ranks 0 and 1 (signatures 0x%08x / 0x%08x)\n",
+              ok ? "PASS" : "FAIL", std::string(plan::protocol_name(protocol)).c_str(), sig_bf16,
+              sig_fp16);
   return ok ? 0 : 1;
 }
 
@@ -1013,6 +1015,8 @@ int main(int argc, char** argv) {
       if (arg == "--mismatch-test") return mismatch_test(Protocol::kFlag);
       if (arg == "--ll-timeout-test") return timeout_test(Protocol::kLL);
       if (arg == "--ll-mismatch-test") return mismatch_test(Protocol::kLL);
+      if (arg == "--lamport-timeout-test") return timeout_test(Protocol::kLamport);
+      if (arg == "--lamport-mismatch-test") return mismatch_test(Protocol::kLamport);
     } catch (const std::exception& e) {
       std::printf("FAIL: %s\n", e.what());
       return 1;

@@ -111,6 +111,11 @@ if want kernels; then
   step "mismatch path" mismatch_test.log timeout 60 "$BUILD/pcie_gpu_check" --mismatch-test
   step "LL mismatch path" ll_mismatch_test.log timeout 60 "$BUILD/pcie_gpu_check" \
     --ll-mismatch-test
+  # Lamport: the same two paths through its slice headers (the data carries no tag).
+  step "lamport timeout path" lamport_timeout_test.log timeout 60 "$BUILD/pcie_gpu_check" \
+    --lamport-timeout-test
+  step "lamport mismatch path" lamport_mismatch_test.log timeout 60 "$BUILD/pcie_gpu_check" \
+    --lamport-mismatch-test
 fi
 
 if [[ -z "$torch_build" ]]; then

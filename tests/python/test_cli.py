@@ -29,9 +29,10 @@ def test_topo_on_two_sockets_shows_islands_and_cross_island_traffic():
     assert rows[("oneshot", "push", True)]["cross_island_elements"] == 16.0
     assert all(r["verified"] for r in report["schedules"] if r["supported"])
     assert rows[("oneshot", "push", True)]["max_outbound_per_stage"] == 1
-    ll = [r for r in report["schedules"] if r.get("protocol") == "ll"]
-    assert {r["algorithm"] for r in ll} == {"oneshot", "twoshot", "island_oneshot",
-                                            "island_twoshot"}
+    ll = [r for r in report["schedules"] if r.get("protocol") in ("ll", "lamport")]
+    assert {(r["algorithm"], r["protocol"]) for r in ll} == {
+        (a, p) for a in ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
+        for p in ("ll", "lamport")}
     assert all(r["cost"]["system_fences"] == 0 and r["cost"]["peer_polls"] == 0 for r in ll)
     assert all(r["cost"]["peer_polls"] == 0 for r in report["schedules"] if r["supported"])
 

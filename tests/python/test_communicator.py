@@ -39,9 +39,9 @@ def islands_for(world: int):
 
 
 # ---------------------------------------------------------------- every tactic, every dtype
-# (direction, staged, protocol): LL (flag-in-data) is push-only and unstaged.
+# (direction, staged, protocol): LL and lamport (flag-in-data) are push-only and unstaged.
 TACTIC_SHAPES = [(d, st, "flag") for d in ("push", "pull") for st in (True, False)] + [
-    ("push", False, "ll")
+    ("push", False, "ll"), ("push", False, "lamport")
 ]
 
 

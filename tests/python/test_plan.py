@@ -105,7 +105,7 @@ def test_ll_refuses_pull_and_staging_with_a_reason():
         plan.build("oneshot", 4, direction="pull", staged=False, protocol="ll")
     with pytest.raises(ValueError, match="unstaged"):
         plan.build("oneshot", 4, staged=True, protocol="ll")
-    with pytest.raises(ValueError, match="protocol must be flag or ll"):
+    with pytest.raises(ValueError, match="protocol must be flag, ll or lamport"):
         plan.build("oneshot", 4, protocol="lowlat")
     assert "push-only" in plan.why_unsupported("oneshot", 4, direction="pull", protocol="ll")
 
@@ -132,6 +132,17 @@ def test_cost_with_a_size_models_one_call_on_each_gpu_transport():
     # On host memory every look is a PCIe read of host DRAM, not of this GPU's L2.
     assert host["latency_us"] > p2p["latency_us"]
     assert any("host memory read" in link for link in host["critical_path"])
+
+
+def test_lamport_moves_the_payload_once_on_the_same_critical_path():
+    for transport, ll_bytes in (("cuda_ipc", 2 * 12288), ("cuda_host", 4 * 12288)):
+        ll = plan.build("oneshot", 2, staged=False, protocol="ll").cost(12288, transport=transport)
+        dense = plan.build("oneshot", 2, staged=False, protocol="lamport").cost(
+            12288, transport=transport)
+        assert ll["busiest_link_bytes"] == ll_bytes
+        assert dense["busiest_link_bytes"] == ll_bytes / 2
+        assert dense["critical_path"] == ll["critical_path"]
+        assert dense["modelled_us"] < ll["modelled_us"]
 
 
 def test_cost_constants_and_executor_can_be_overridden_by_name():
@@ -175,4 +186,5 @@ def test_derived_rows_cover_every_size_once():
     assert edges[0][0] == 0 and edges[-1][1] == "*"
     for (_, hi), (lo, _) in zip(edges, edges[1:]):
         assert int(hi) == lo
-    assert all(int(r.split(",")[4]) <= model.MAX_LL_BYTES for r in rows if r.endswith(",ll"))
+    flag_in_data = [r for r in rows if r.split(",")[-1] in ("ll", "lamport")]
+    assert flag_in_data and all(int(r.split(",")[4]) <= model.MAX_LL_BYTES for r in flag_in_data)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks the CUDA executor's machine code (SASS): the LL first look is parallel, nothing spills.
+"""Checks the CUDA executor's machine code (SASS): the LL and lamport first looks are parallel,
+nothing spills.
 
     check_sass.py --tools DIR --object launch.cu.o          # the object the build made (CTest)
     check_sass.py --tools DIR --compile --arch 90 --arch 120 [--csrc DIR] [--nvcc PATH]
@@ -10,8 +11,10 @@ DIR is where .ci/setup unpacked the PyPI wheels nvidia-cuda-cuobjdump and nvidia
 list (as CMake's $<TARGET_OBJECTS> gives it) keeps only the objects named launch.cu*. Every architecture in the object is checked. --compile builds
 csrc/transport/executors/cuda/launch.cu (of --csrc, default this tree's) for each --arch instead.
 Python 3 standard library only. Exit 0: every check passed; 1: a check failed; 2: nothing to
-check (a missing tool or object, or SASS in which the heuristic below finds no LL first look:
-then the heuristic needs updating, and the check says so rather than pass).
+check (a missing tool or object, or a push kernel in which the heuristic below finds no LL or
+no lamport first look: then the heuristic needs updating, and the check says so rather than pass).
+Pull kernels carry no LL code (LL and lamport are push-only; run_reduce traps instead), so they
+are checked for (b) only.
 
 What is checked, in every executor kernel (executor_kernel<T, D>) of every architecture:
 
@@ -21,6 +24,9 @@ What is checked, in every executor kernel (executor_kernel<T, D>) of every archi
 (a) The first look of an LL group is parallel: every LL load of the group is issued before the
     first compare of any of the group's tags. (gather_ll_group in executor.cuh: a compare between
     two loads makes the second load wait for the first one's round trip.)
+
+(c) The same for a lamport group: every lamport load of the group is issued before the first
+    compare of any of its words with the empty word (kLLEmpty, 0x80000000).
 
 The heuristic for (a), on the instruction listing in address order:
 
@@ -40,8 +46,16 @@ The heuristic for (a), on the instruction listing in address order:
     (each operand's tags compared right after its own pair, before the next operand's loads)
     fails this in every window with two or more LL pairs.
 
-The check also requires that the executor kernels hold windows with two or more LL pairs at
-all: if none are found the SASS has changed shape and the heuristic must be revisited.
+The heuristic for (c), in the same windows: a lamport compare is an ISETP that reads the
+destination of a volatile 16-byte load (followed through moves, as tags are) against the
+immediate -0x80000000 (kLLEmpty as SASS prints it); a lamport load is such a load that is not half
+of an LL pair (one LL vector per payload vector) and that some lamport compare of the window
+reads. Plain operands on host memory (ld.cv) are volatile loads too, but nothing compares them
+with the empty word.
+
+The check also requires that every push kernel holds windows with two or more LL pairs and
+windows with two or more lamport loads: if none are found the SASS has changed shape and the
+heuristic must be revisited.
 """
 
 from __future__ import annotations
@@ -107,6 +121,10 @@ class Window:
     insns: list[Insn] = field(default_factory=list)
     pairs: list[Pair] = field(default_factory=list)
     first_compare: tuple[int, Insn] | None = None
+    # Lamport: the volatile loads that are not half of a pair, and the first compare of one of
+    # their words with kLLEmpty.
+    dense: list[tuple[int, Insn]] = field(default_factory=list)
+    first_dense_compare: tuple[int, Insn] | None = None
 
 
 def parse(sass: str) -> dict[tuple[str, str], list[Insn]]:
@@ -132,6 +150,9 @@ def is_ll_load(i: Insn) -> bool:
     return i.op.startswith("LDG") and ".128" in i.op and "STRONG.SYS" in i.op
 
 
+EMPTY_WORD = "-0x80000000"  # kLLEmpty as an ISETP immediate
+
+
 def is_separator(i: Insn) -> bool:
     if STORE.match(i.op) or i.op.split(".")[0] in SEPARATOR_OPS:
         return True
@@ -149,19 +170,32 @@ def negation(pred: str) -> str:
 
 
 def windows(insns: list[Insn]) -> list[Window]:
-    """The listing cut at separators, each piece with its LL pairs and its first tag compare."""
+    """The listing cut at separators, each piece with its LL pairs, its lamport loads and the
+    first compare of each kind."""
     found: list[Window] = []
     w = Window()
     open_lo: list[tuple[Insn, str, int]] = []  # loads waiting for their +0x10 partner
     tags: dict[int, str] = {}  # register -> guard predicate of the pair it came from
+    loaded: dict[int, int] = {}  # register -> id() of the volatile load that wrote it
+    sys_loads: list[tuple[int, Insn]] = []
+    empty_compares: list[tuple[int, Insn, set[int]]] = []  # with the loads they read
 
     def close() -> None:
         nonlocal w
-        if w.pairs:
+        paired = {id(p.lo) for p in w.pairs} | {id(p.hi) for p in w.pairs}
+        compared = set().union(*(reads for _, _, reads in empty_compares))
+        w.dense = [(k, i) for k, i in sys_loads if id(i) not in paired and id(i) in compared]
+        dense_ids = {id(i) for _, i in w.dense}
+        w.first_dense_compare = next(((k, i) for k, i, reads in empty_compares
+                                      if reads & dense_ids), None)
+        if w.pairs or len(w.dense) >= 2:
             found.append(w)
         w = Window()
         open_lo.clear()
         tags.clear()
+        loaded.clear()
+        sys_loads.clear()
+        empty_compares.clear()
 
     for i in insns:
         if is_separator(i):
@@ -171,6 +205,12 @@ def windows(insns: list[Insn]) -> list[Window]:
         index = len(w.insns) - 1
         if i.op.startswith("ISETP") and w.first_compare is None and tags.keys() & i.sources():
             w.first_compare = (index, i)
+        if i.op.startswith("ISETP") and EMPTY_WORD in i.args:
+            reads = {loaded[r] for r in i.sources() if r in loaded}
+            if reads:
+                empty_compares.append((index, i, reads))
+        if is_ll_load(i):
+            sys_loads.append((index, i))
         if is_ll_load(i) and (m := ADDRESS.search(i.args[-1])):
             base, offset = m.group(1), int(m.group(2) or "0", 0)
             lo = next((x for x in open_lo if x[1] == base and x[2] == offset - 0x10 and
@@ -180,6 +220,8 @@ def windows(insns: list[Insn]) -> list[Window]:
                 w.pairs.append(Pair(lo[0], i, index))
                 for d in (lo[0].dests()[1::2] + i.dests()[1::2]):
                     tags[d] = i.pred
+                for d in i.dests():
+                    loaded[d] = id(i)
                 continue  # its destinations are the tags just recorded
             open_lo.append((i, base, offset))
         written = i.dests()
@@ -193,6 +235,12 @@ def windows(insns: list[Insn]) -> list[Window]:
                 tags[d] = tags[int(src.group(1))]
             elif d in tags and not (i.pred and tags[d] == negation(i.pred)):
                 del tags[d]
+            if is_ll_load(i):
+                loaded[d] = id(i)
+            elif src and int(src.group(1)) in loaded:
+                loaded[d] = loaded[int(src.group(1))]
+            elif d in loaded and not i.pred:
+                del loaded[d]
     close()
     return found
 
@@ -205,14 +253,26 @@ class Report:
     looks: int  # windows with two or more LL pairs
     widest: int
     late: list[Window]  # windows where a tag compare precedes an LL load
+    dense_looks: int  # windows with two or more lamport loads
+    dense_widest: int
+    dense_late: list[Window]  # windows where an empty-word compare precedes a lamport load
 
 
 def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
     lmem = [i for i in insns if i.op.startswith(("LDL", "STL"))]
-    multi = [w for w in windows(insns) if len(w.pairs) >= 2]
+    found = windows(insns)
+    multi = [w for w in found if len(w.pairs) >= 2]
     late = [w for w in multi if w.first_compare and w.first_compare[0] < w.pairs[-1].index]
+    dense = [w for w in found if len(w.dense) >= 2]
+    dense_late = [w for w in dense
+                  if w.first_dense_compare and w.first_dense_compare[0] < w.dense[-1][0]]
     return Report(arch, kernel, lmem, len(multi), max((len(w.pairs) for w in multi), default=0),
-                  late)
+                  late, len(dense), max((len(w.dense) for w in dense), default=0), dense_late)
+
+
+def is_push(kernel: str) -> bool:
+    m = re.search(r"DirectionE(\d)", kernel)
+    return m is not None and m.group(1) == "0"
 
 
 def short(kernel: str) -> str:
@@ -223,11 +283,16 @@ def short(kernel: str) -> str:
     return f"executor_kernel<{dtype}, {'push' if m.group(2) == '0' else 'pull'}>"
 
 
-def excerpt(w: Window) -> str:
-    """The window's LL loads and its first tag compare, in listing order."""
-    marks = {id(p.lo): "LL load" for p in w.pairs} | {id(p.hi): "LL load" for p in w.pairs}
-    assert w.first_compare is not None
-    marks[id(w.first_compare[1])] = "first tag compare"
+def excerpt(w: Window, dense: bool = False) -> str:
+    """The window's LL (or lamport) loads and its first compare of them, in listing order."""
+    if dense:
+        marks = {id(i): "lamport load" for _, i in w.dense}
+        assert w.first_dense_compare is not None
+        marks[id(w.first_dense_compare[1])] = "first empty-word compare"
+    else:
+        marks = {id(p.lo): "LL load" for p in w.pairs} | {id(p.hi): "LL load" for p in w.pairs}
+        assert w.first_compare is not None
+        marks[id(w.first_compare[1])] = "first tag compare"
     lines = [f"      {i.text:70} <- {marks[id(i)]}" for i in w.insns if id(i) in marks]
     return "\n".join(lines)
 
@@ -309,22 +374,36 @@ def main() -> int:
         if r.lmem:
             failed = True
             verdict.append(f"FAIL local memory: {len(r.lmem)} LDL/STL, first {r.lmem[0].text}")
-        if r.looks == 0:
+        push = is_push(kernel)
+        if push and r.looks == 0:
             blind = True
             verdict.append("NO LL FIRST LOOK FOUND (two or more LL load pairs in one window): "
                            "the heuristic needs updating")
-        if r.late:
-            failed |= enforce
-            reported += not enforce
-            verdict.append(f"{'FAIL' if enforce else 'REPORTED (not enforced on ' + arch + ')'} "
-                           f"serial first look: in {len(r.late)} of {r.looks} first looks a tag "
-                           "compare comes before the group's last LL load")
+        if push and r.dense_looks == 0:
+            blind = True
+            verdict.append("NO LAMPORT FIRST LOOK FOUND (two or more lamport loads in one "
+                           "window): the heuristic needs updating")
+        if not push and (r.looks or r.dense_looks):
+            failed = True
+            verdict.append("FAIL a pull kernel holds LL code (LL and lamport are push-only)")
+        for late, looks, what in ((r.late, r.looks, "a tag compare comes before the group's last "
+                                   "LL load"),
+                                  (r.dense_late, r.dense_looks, "an empty-word compare comes "
+                                   "before the group's last lamport load")):
+            if late:
+                failed |= enforce
+                reported += not enforce
+                verdict.append(f"{'FAIL' if enforce else 'REPORTED (not enforced on ' + arch + ')'}"
+                               f" serial first look: in {len(late)} of {looks} first looks {what}")
         status = "; ".join(verdict) if verdict else "ok"
+        looks = (f"first looks with 2+ operands: LL {r.looks} (widest {r.widest}), lamport "
+                 f"{r.dense_looks} (widest {r.dense_widest})" if push else "no LL code (pull)")
         print(f"{arch:7} {short(kernel):32} {len(insns):6} insns, no LDL/STL: "
-              f"{'no' if r.lmem else 'yes'}, first looks with 2+ LL operands: {r.looks} "
-              f"(widest {r.widest}) -> {status}")
+              f"{'no' if r.lmem else 'yes'}, {looks} -> {status}")
         if r.late:
             print(excerpt(r.late[0]))
+        if r.dense_late:
+            print(excerpt(r.dense_late[0], dense=True))
     seconds = time.monotonic() - start
     if failed:
         print(f"check_sass: FAILED ({seconds:.1f} s)")
@@ -335,8 +414,9 @@ def main() -> int:
     seen = {arch for arch, _ in kernels}
     where = f" on {', '.join(sorted(seen & enforced))}" if enforced else ""
     note = f"; {reported} kernels with a serial first look where it is not enforced" if reported else ""
-    print(f"check_sass: passed: {len(kernels)} executor kernels, no local memory, every LL first "
-          f"look issues all its loads before its first tag compare{where}{note} ({seconds:.1f} s)")
+    print(f"check_sass: passed: {len(kernels)} executor kernels, no local memory, every LL and "
+          f"lamport first look issues all its loads before its first compare{where}{note} "
+          f"({seconds:.1f} s)")
     return 0
 
 

@@ -41,7 +41,7 @@ def _summaries(world: int, island_of: List[int], nbytes: int) -> List[Dict[str, 
             continue
         for direction in ("push", "pull"):
             for staged in (True, False):
-                for protocol in ("flag", "ll"):
+                for protocol in plan_mod.PROTOCOLS:
                     if _C.why_unsupported(algorithm, world, island_of, direction, staged,
                                           protocol) is not None:
                         continue  # LL is push-only and unstaged

@@ -14,6 +14,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..native import _C
+from ..plan import FLAG_IN_DATA
 
 # Buckets [2^k, 2^(k+1)) from 2 KiB (the first one starts at 0), each judged at its geometric
 # middle; the last one is open.
@@ -46,7 +47,7 @@ def gpu_families() -> List[Tuple[str, str, List[int], str]]:
 def launch_shape(protocol: str, nbytes: int) -> Tuple[int, int]:
     """(blocks, threads) of a derived row: the model is per CTA and does not choose them. LL
     rows are decode-sized (8 CTAs); flag rows take 16 CTAs to 128 KiB, then 32 of 512."""
-    if protocol == "ll":
+    if protocol in FLAG_IN_DATA:
         return 8, 256
     return (16, 256) if nbytes <= 128 * 1024 else (32, 512)
 
@@ -75,7 +76,7 @@ def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: i
         # may pick it there. On host memory both directions cross the same links.
         if t["direction"] == "pull" and transport != "cuda_host":
             continue
-        if t["protocol"] == "ll" and nbytes > MAX_LL_BYTES:
+        if t["protocol"] in FLAG_IN_DATA and nbytes > MAX_LL_BYTES:
             continue
         s = _C.build_schedule(t["algorithm"], world, list(island_of), t["direction"],
                               t["staged"], t["protocol"])
@@ -92,7 +93,7 @@ def _tactic_columns(best: Dict[str, Any], judged: int) -> str:
     blocks, threads = launch_shape(best["protocol"], judged)
     text = (f"{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},"
             f"{threads}")
-    return text + (",ll" if best["protocol"] == "ll" else "")
+    return text + ("" if best["protocol"] == "flag" else f",{best['protocol']}")
 
 
 def derive_rows(key: str, world: str, island_of: Sequence[int], transport: str,

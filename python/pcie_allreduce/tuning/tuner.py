@@ -24,7 +24,7 @@ from .. import policy
 from ..env import read_env
 from ..errors import TableMismatch, TuneError, TuneRefused
 from ..native import _C
-from ..plan import ALGORITHMS
+from ..plan import ALGORITHMS, PROTOCOLS
 from ..testing import DTYPES
 from . import cache
 from .decision import (MIN_MARGIN, MIN_MARGIN_MEASURED, keep_or_replace, median,
@@ -65,7 +65,7 @@ def candidates(transport: str, world: int, island_of: Sequence[int], max_blocks:
     for algorithm in ALGORITHMS:
         for direction in ("push", "pull"):
             for staged in (False, True):
-                for protocol in ("flag", "ll"):
+                for protocol in PROTOCOLS:
                     if _C.why_unsupported(algorithm, world, list(island_of), direction, staged,
                                           protocol) is not None:
                         continue

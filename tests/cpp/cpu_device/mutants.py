@@ -33,7 +33,8 @@ CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
 # then the rest (back to back across the tag wrap, the host cross-check, ranks as processes, the
 # failure paths). A mutant is killed when either fails.
 SUITES = ("Loopback/CpuDeviceExecutor.*",
-          "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*")
+          "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*:"
+          "CpuDeviceSignedZeros.*")
 LIMIT_S = 900
 
 
@@ -59,14 +60,36 @@ MUTANTS = [
            "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n",
            "a thread may read data whose flag another thread of its CTA is still waiting for"),
     Mutant("no_ll_reset", EXECUTOR,
-           "      store_ll(ll, 0u, 0u, stale);\n      store_ll(ll + 1, 0u, 0u, stale);\n",
-           "      (void)ll;\n      (void)stale;\n",
+           "      reset_ll(ll);\n      if constexpr (!Dense) reset_ll(ll + 1);\n",
+           "      if constexpr (Dense) reset_ll(ll);\n",
            "a consumed LL word keeps its tag: two calls later it names the wrong call"),
+    Mutant("no_lamport_reset", EXECUTOR,
+           "      reset_ll(ll);\n      if constexpr (!Dense) reset_ll(ll + 1);\n",
+           "      if constexpr (!Dense) {\n        reset_ll(ll);\n        reset_ll(ll + 1);\n"
+           "      }\n",
+           "a consumed lamport word stays non-empty: two calls later it is taken for new data"),
     Mutant("first_look_trusts_tags", EXECUTOR,
-           "      if (!ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;\n",
-           "      (void)tag;\n",
+           "      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= "
+           "1u << k;\n",
+           "      if (Dense && !dense_arrived(lo[k])) pending |= 1u << k;\n      (void)tag;\n",
            "the first look takes an LL vector whose tags are not yet this call's: stale or "
            "half-written data is summed"),
+    Mutant("first_look_trusts_lamport", EXECUTOR,
+           "      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= "
+           "1u << k;\n",
+           "      if (!Dense && !ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;\n",
+           "the first look takes a lamport vector that still holds empty words: the empty "
+           "pattern is summed as data"),
+    Mutant("lamport_keeps_negative_zero", EXECUTOR,
+           "  return make_uint4(plan::ll_dense_word(v.x, kBytes), plan::ll_dense_word(v.y, kBytes),\n"
+           "                    plan::ll_dense_word(v.z, kBytes), plan::ll_dense_word(v.w, kBytes));\n",
+           "  (void)kBytes;\n  return v;\n",
+           "a lamport writer stores -0 as it is: a word that is the empty pattern never arrives"),
+    Mutant("lamport_without_headers", EXECUTOR,
+           "      exchange_headers(p, c, step_index, step);\n",
+           "      (void)0;\n",
+           "no lamport header: a peer in another call (same generation, other dtype or size) is "
+           "summed instead of reported"),
     Mutant("wrong_parity", EXECUTOR,
            "  c.parity = plan::gen_parity(c.gen);\n",
            "  c.parity = 0;\n",

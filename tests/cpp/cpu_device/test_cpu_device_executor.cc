@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -96,15 +97,14 @@ INSTANTIATE_TEST_SUITE_P(Loopback, CpuDeviceExecutor, ::testing::ValuesIn(suite_
 
 // ---------------------------------------------------------------- back to back
 
-// The generation sequence of graph replays: 240 calls back to back on one group, three tactics
-// interleaved (LL, flag unstaged, flag staged pull), sizes and dtypes changing every call,
+// The generation sequence of graph replays: 240 calls back to back on one group, four tactics
+// interleaved (LL, lamport, flag unstaged, flag staged pull), sizes and dtypes changing every call,
 // starting 100 calls before the LL tags' 32 bits wrap.
 TEST(CpuDeviceBackToBack, TwoHundredFortyCallsAcrossTheTagWrap) {
   constexpr int64_t kMaxNumel = 1024;
   const auto subset = [](const plan::Tactic& t) {
     return t.algorithm == plan::Algorithm::kOneshot &&
-           (t.protocol == plan::Protocol::kLL || !t.staged ||
-            t.direction == plan::Direction::kPull);
+           (plan::flag_in_data(t.protocol) || !t.staged || t.direction == plan::Direction::kPull);
   };
   for (MemoryModel memory : {MemoryModel::kStrict, MemoryModel::kWeak}) {
     const Workload w = make_workload(4, {}, kMaxNumel, 14, subset);
@@ -208,6 +208,86 @@ TEST(CpuDeviceCrossCheck, TheHostExecutorWritesTheSameBytes) {
     }
   }
   EXPECT_GT(compared, 40);
+}
+
+// ---------------------------------------------------------------- signed zeros
+
+// Zeros of both signs in every position a word can hold them, every tactic: -0 on every rank
+// (fp32's -0 and a 16-bit pair {+0, -0} are the bits of kLLEmpty, the word a lamport reader
+// waits to see replaced), zeros of mixed signs, and -0 beside one non-zero value. IEEE sums
+// them exactly (x + -0 = x; +0 + -0 = +0); the one difference lamport makes is documented in
+// plan/protocol.h: where every operand is -0 it returns +0 (its writers store -0 as +0). Two
+// calls, so both parities' slots see the pattern. A writer that stored the empty word would
+// leave its reader waiting: the short timeout turns that into a failed launch.
+TEST(CpuDeviceSignedZeros, ZerosOfBothSignsSumAsIeeeSaysInEveryProtocol) {
+  constexpr int world = 4;
+  constexpr int64_t kNumel = 256;
+  const plan::Layout layout = plan::make_layout(kNumel, world, 4, 2);
+  const std::vector<int> island_of = halves(world);
+  // Element e of rank r, by e % 4: +0 on even ranks and -0 on odd ones; -0 everywhere; 1.5 on
+  // rank 0 and -0 elsewhere; -2 on the last rank and -0 elsewhere. Rank 0's elements 0 and 1
+  // are {+0, -0}: in bf16 and fp16 that pair is the empty word.
+  const auto value = [](int64_t e, int r) -> float {
+    switch (e % 4) {
+      case 0:
+        return r % 2 == 0 ? 0.0f : -0.0f;
+      case 1:
+        return -0.0f;
+      case 2:
+        return r == 0 ? 1.5f : -0.0f;
+      default:
+        return r == world - 1 ? -2.0f : -0.0f;
+    }
+  };
+  int checked = 0;
+  for (const Placement placement : {Placement::kDevice, Placement::kHost}) {
+    CpuDeviceGroup group(layout, placement, 0, 2.0);
+    for (const plan::Tactic& built : plan::buildable_tactics(world, island_of)) {
+      const plan::Schedule schedule = plan::build_schedule(
+          built.algorithm, built.direction, built.staged, world, island_of, built.protocol);
+      const int id = group.add_schedule(schedule);
+      plan::Tactic tactic = built;
+      tactic.blocks = 2;
+      tactic.threads = 32;
+      for (DType dtype : plan::kAllDTypes) {
+        const int elem = plan::dtype_bytes(dtype);
+        std::vector<std::vector<uint8_t>> in(world, std::vector<uint8_t>(kNumel * elem));
+        std::vector<std::vector<uint8_t>> out(world, std::vector<uint8_t>(kNumel * elem, 0xA5));
+        std::vector<const void*> inputs;
+        std::vector<void*> outputs;
+        for (int r = 0; r < world; ++r) {
+          for (int64_t e = 0; e < kNumel; ++e)
+            host_test::encode(dtype, value(e, r), &in[r][e * elem]);
+          inputs.push_back(in[r].data());
+          outputs.push_back(out[r].data());
+        }
+        for (int call = 0; call < 2; ++call) {
+          const MemoryModel memory = call == 0 ? MemoryModel::kWeak : MemoryModel::kStrict;
+          const std::string what =
+              plan::tactic_label(tactic) + " " + std::string(plan::dtype_name(dtype)) + " call " +
+              std::to_string(call) + (placement == Placement::kHost ? " host" : " device");
+          ASSERT_EQ(group.launch(id, tactic, dtype, inputs, outputs, kNumel,
+                                 DeviceOptions{memory, static_cast<uint64_t>(7 + call)}),
+                    LaunchStatus::kCompleted)
+              << what;
+          for (int r = 0; r < world; ++r) {
+            for (int64_t e = 0; e < kNumel; ++e) {
+              float want = 0.0f;
+              for (int q = 0; q < world; ++q) want = q == 0 ? value(e, q) : want + value(e, q);
+              if (built.protocol == plan::Protocol::kLamport && want == 0.0f) want = 0.0f;
+              std::vector<uint8_t> bits(elem);
+              host_test::encode(dtype, want, bits.data());
+              ASSERT_EQ(std::memcmp(&out[r][e * elem], bits.data(), elem), 0)
+                  << what << " rank " << r << " element " << e << ": want "
+                  << (std::signbit(want) ? "-" : "+") << want;
+            }
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 100);
 }
 
 // ---------------------------------------------------------------- ranks as processes

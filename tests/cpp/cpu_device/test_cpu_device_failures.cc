@@ -61,7 +61,7 @@ struct FailureParam {
 };
 
 std::string failure_name(const ::testing::TestParamInfo<FailureParam>& info) {
-  return std::string(info.param.protocol == Protocol::kLL ? "ll" : "flag") +
+  return std::string(plan::protocol_name(info.param.protocol)) +
          cpu_device_test::mode_name(info.param.mode);
 }
 
@@ -85,7 +85,7 @@ TEST_P(CpuDeviceFailure, AMissingPeerTimesOutNamingIt) {
   const auto d = group.failure();
   ASSERT_TRUE(d.has_value()) << "no record";
   const FailureKind want =
-      p.protocol == Protocol::kLL ? FailureKind::kLLTimeout : FailureKind::kTimeout;
+      plan::flag_in_data(p.protocol) ? FailureKind::kLLTimeout : FailureKind::kTimeout;
   EXPECT_EQ(d->kind, static_cast<uint32_t>(want));
   EXPECT_EQ(d->rank, 0u);
   EXPECT_EQ(d->peer, 1u);
@@ -93,9 +93,9 @@ TEST_P(CpuDeviceFailure, AMissingPeerTimesOutNamingIt) {
   EXPECT_GE(s, 0.9 * kTimeout);
   EXPECT_LT(s, kTimeout + 5.0);
   const std::string message = plan::describe_failure(*d, kTimeout);
-  if (p.protocol == Protocol::kLL) {
-    // The LL slot rank 1 writes in rank 0's memory; the tag expected is this call's, and what
-    // was seen is the initial stale tag (nothing of this call arrived).
+  if (plan::flag_in_data(p.protocol)) {
+    // The LL slot (or, lamport, its header) rank 1 writes in rank 0's memory; the tag expected
+    // is this call's, and what was seen is the empty word (nothing of this call arrived).
     const uint32_t tag = plan::ll_tag(kGen + 1, kNumel, plan::call_signature(DType::kBF16, tactic));
     EXPECT_EQ(d->flag_owner, 0u);
     EXPECT_EQ(d->peer_signature, tag);
@@ -128,8 +128,9 @@ TEST_P(CpuDeviceFailure, CtasFailingTogetherLeaveTheWinnersWholeRecord) {
     ASSERT_EQ(status, LaunchStatus::kTrapped);
     const auto d = group.failure();
     ASSERT_TRUE(d.has_value()) << "no record: a losing thread ended the grid before it landed";
-    EXPECT_EQ(d->kind, static_cast<uint32_t>(p.protocol == Protocol::kLL ? FailureKind::kLLTimeout
-                                                                         : FailureKind::kTimeout));
+    EXPECT_EQ(d->kind,
+              static_cast<uint32_t>(plan::flag_in_data(p.protocol) ? FailureKind::kLLTimeout
+                                                                   : FailureKind::kTimeout));
     EXPECT_EQ(d->rank, 0u);
     EXPECT_EQ(d->peer, 1u);
     EXPECT_EQ(d->gen_expected, kGen + 1);
@@ -139,7 +140,7 @@ TEST_P(CpuDeviceFailure, CtasFailingTogetherLeaveTheWinnersWholeRecord) {
 
 // Ranks 0 and 1 launched separately and concurrently with different dtypes: whoever looks first
 // must report the disagreement instead of reducing garbage. Flag: the flag's signature differs;
-// LL: the tag of the peer's data names another call.
+// LL: the tag of the peer's data names another call; lamport: the tag of its slice's header.
 TEST_P(CpuDeviceFailure, PeersThatDisagreeAboutTheCallReportAMismatch) {
   const FailureParam& p = GetParam();
   constexpr uint64_t kGen = 7;
@@ -184,7 +185,7 @@ TEST_P(CpuDeviceFailure, PeersThatDisagreeAboutTheCallReportAMismatch) {
 
 std::vector<FailureParam> failure_params() {
   std::vector<FailureParam> params;
-  for (Protocol protocol : {Protocol::kFlag, Protocol::kLL}) {
+  for (Protocol protocol : plan::kProtocolNames.values()) {
     for (const cpu_device_test::Mode& mode : cpu_device_test::all_modes()) {
       params.push_back(FailureParam{protocol, mode});
     }
@@ -209,7 +210,7 @@ struct DivergenceParam {
 
 std::string divergence_name(const ::testing::TestParamInfo<DivergenceParam>& info) {
   const DivergenceParam& p = info.param;
-  return std::string(p.protocol == Protocol::kLL ? "ll" : "flag") +
+  return std::string(plan::protocol_name(p.protocol)) +
          (p.memory == MemoryModel::kStrict ? "_strict" : "_weak") +
          (p.skip ? "" : "_without_the_skip");
 }
@@ -253,7 +254,7 @@ TEST_P(CpuDeviceDivergence, ACallOneRankSentToTheFallbackNeverMixesIntoTheNext) 
 
 std::vector<DivergenceParam> divergence_params() {
   std::vector<DivergenceParam> params;
-  for (Protocol protocol : {Protocol::kFlag, Protocol::kLL}) {
+  for (Protocol protocol : plan::kProtocolNames.values()) {
     for (MemoryModel memory : {MemoryModel::kStrict, MemoryModel::kWeak}) {
       for (bool skip : {true, false}) params.push_back(DivergenceParam{protocol, memory, skip});
     }
@@ -282,6 +283,21 @@ TEST(CpuDeviceNegativeControl, FourByteTearingMakesTheLLSuiteFail) {
     if (seed == 1) std::printf("    first failures with tearing:\n%s", failures.c_str());
   }
   EXPECT_EQ(failing_runs, 3) << "an LL suite that passes with torn words checks nothing";
+}
+
+// Lamport words are checked one 32-bit word at a time: the same 4-byte tearing that breaks LL
+// must leave every lamport result right (the atomicity it relies on is exactly that).
+TEST(CpuDeviceNegativeControl, LamportNeedsOnlyFourByteAtomicity) {
+  constexpr int64_t kMaxNumel = 2100;
+  const auto lamport_only = [](const plan::Tactic& t) { return t.protocol == Protocol::kLamport; };
+  const host_test::Workload w = cpu_device_test::make_workload(4, {}, kMaxNumel, 3, lamport_only);
+  ASSERT_FALSE(w.tactics.empty());
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    EXPECT_EQ(cpu_device_test::run_workload(w, kMaxNumel, Placement::kDevice,
+                                            DeviceOptions{MemoryModel::kWeakTear4, seed}),
+              "")
+        << "seed " << seed;
+  }
 }
 
 }  // namespace

@@ -223,14 +223,16 @@ TEST(CudaLaunchEncoding, EveryBuiltScheduleReachesTheKernelIntact) {
                      " islands " + std::to_string(islands.size()));
         const Fixture fixture(schedule, 1 << 16, 4);
         ++schedules;
-        if (protocol == Protocol::kLL) ++ll_schedules;
+        if (plan::flag_in_data(protocol)) ++ll_schedules;
         for (int r = 0; r < world; ++r) {
           const plan::Program& program = fixture.programs[r];
           EXPECT_EQ(program.rank, r);
           EXPECT_EQ(program.world, world);
           EXPECT_EQ(program.num_chunks, schedule.num_chunks);
-          // The kernel picks its LL path per step: only LL programs may name LL slots.
-          EXPECT_EQ(fixture.facts[r].uses_ll, protocol == Protocol::kLL);
+          // The kernel picks its LL path per step: only LL and lamport programs name LL slots,
+          // and the program says which format they hold.
+          EXPECT_EQ(fixture.facts[r].uses_ll, plan::flag_in_data(protocol));
+          EXPECT_EQ(program.ll_format == plan::LLFormat::kDense, protocol == Protocol::kLamport);
           // The push kernel reads every operand as local memory; a pull program only
           // ever writes its own slots.
           if (direction == Direction::kPush) {
@@ -331,8 +333,8 @@ TEST(CudaWireFormat, LLVectorsAreWhatTheHostCallsLLWords) {
     EXPECT_EQ(plan::ll_word_tag(words[i]), tag);
   }
   // The reset a reader writes back never reads as valid again, nor as another call's data.
-  EXPECT_NE(plan::ll_stale(tag), tag);
-  EXPECT_FALSE(plan::ll_foreign(plan::ll_stale(tag), tag));
+  EXPECT_NE(plan::kLLEmpty, tag);
+  EXPECT_FALSE(plan::ll_foreign(plan::kLLEmpty, tag));
 }
 
 // ------------------------------------------------------------------ no GPU here

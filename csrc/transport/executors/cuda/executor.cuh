@@ -65,10 +65,17 @@ __device__ __forceinline__ uint4* resolve(const LaunchParams& p, const Call& c,
   }
 }
 
-// The first LL vector of an LL slot: payload vector v lives at [2v, 2v + 1].
+// The first LL vector of an LL slot: payload vector v lives at [2v, 2v + 1] (Lamport: at v).
 __device__ __forceinline__ uint4* resolve_ll(const LaunchParams& p, const Call& c,
                                              const plan::BufRef& ref) {
   return reinterpret_cast<uint4*>(p.bases[ref.owner] + p.layout.ll_slot_offset(c.parity, ref.slot));
+}
+
+// The Lamport header of LL slot `ref`'s slice of `chunk` in this CTA: one tagged LL vector pair.
+__device__ __forceinline__ uint4* ll_header(const LaunchParams& p, const Call& c,
+                                            const plan::BufRef& ref, int chunk) {
+  return reinterpret_cast<uint4*>(p.bases[ref.owner] +
+                                  p.layout.ll_header_offset(c.parity, ref.slot, chunk, c.block));
 }
 
 __device__ __forceinline__ plan::FlagWord* flag_word(const LaunchParams& p, const Call& c,
@@ -164,21 +171,46 @@ __device__ __forceinline__ uint4 ll_payload(const uint4& lo, const uint4& hi) {
   return make_uint4(lo.x, lo.z, hi.x, hi.z);
 }
 
-// Loads payload vector v of an LL slot (`ll` is the slot's first LL vector). True when all four
-// tags are `tag`; otherwise `seen` is the first tag that is not.
-__device__ __forceinline__ bool try_load_ll(const uint4* ll, int v, uint32_t tag, uint4& payload,
+// Loads the LL payload vector whose two LL vectors start at `at`. True when all four tags are
+// `tag`; otherwise `seen` is the first tag that is not.
+__device__ __forceinline__ bool try_load_ll(const uint4* at, uint32_t tag, uint4& payload,
                                             uint32_t& seen) {
-  const uint4 lo = load_ll(ll + 2 * v);
-  const uint4 hi = load_ll(ll + 2 * v + 1);
+  const uint4 lo = load_ll(at);
+  const uint4 hi = load_ll(at + 1);
   payload = ll_payload(lo, hi);
   seen = ll_seen(lo, hi, tag);
   return ll_tags_are(lo, hi, tag);
 }
 
-// Where operand `ref` of an LL step lives: an LL slot's first LL vector, or a plain buffer.
-__device__ __forceinline__ uint4* resolve_any(const LaunchParams& p, const Call& c,
-                                              const plan::BufRef& ref) {
-  return ref.space == plan::Space::kLL ? resolve_ll(p, c, ref) : resolve(p, c, ref);
+// Where payload vector v of operand `ref` of an LL step lives: an LL slot's words for it, or the
+// vector of a plain buffer.
+template <bool Dense>
+__device__ __forceinline__ uint4* locate(const LaunchParams& p, const Call& c,
+                                         const plan::BufRef& ref, int v) {
+  if (ref.space != plan::Space::kLL) return resolve(p, c, ref) + v;
+  return resolve_ll(p, c, ref) + (Dense ? v : 2 * v);
+}
+
+// A Lamport payload vector as its writer stores it: no word kLLEmpty (plan::ll_dense_word).
+template <typename T>
+__device__ __forceinline__ uint4 dense_words(const uint4& v) {
+  constexpr int kBytes = static_cast<int>(sizeof(T));
+  return make_uint4(plan::ll_dense_word(v.x, kBytes), plan::ll_dense_word(v.y, kBytes),
+                    plan::ll_dense_word(v.z, kBytes), plan::ll_dense_word(v.w, kBytes));
+}
+
+__device__ __forceinline__ bool dense_arrived(const uint4& v) {
+  return plan::ll_dense_arrived(v.x, v.y, v.z, v.w);
+}
+
+// The word a diagnostic names: Lamport words carry no tag, so an empty one is reported as seen.
+__device__ __forceinline__ uint32_t dense_seen(const uint4& v) {
+  return dense_arrived(v) ? 0u : plan::kLLEmpty;
+}
+
+// Every word an LL reader consumed goes back to kLLEmpty, in either format.
+__device__ __forceinline__ void reset_ll(uint4* at) {
+  store_ll(at, plan::kLLEmpty, plan::kLLEmpty, plan::kLLEmpty);
 }
 
 // Which of an LL step's N operands are LL slots: bit i for srcs[i]. Read once per step, so the
@@ -194,20 +226,29 @@ __device__ __forceinline__ uint32_t ll_operand_mask(const plan::Step& step) {
   return mask;
 }
 
-// Polls payload vector v of LL operand `ref` until its tags are this call's; fails with
-// kLLMismatch at once on a tag of this parity that names another call, with kLLTimeout after
+// Polls the LL words of operand `ref` at `at` until they say this call's data has landed: both
+// tag pairs this call's tag (tagged), or no word kLLEmpty (Dense). A tag of this parity that
+// names another call fails with kLLMismatch at once; nothing arriving, kLLTimeout after
 // p.timeout_ns.
+template <bool Dense>
 __device__ __forceinline__ uint4 await_ll(const LaunchParams& p, const Call& c, int step_index,
-                                          const plan::Step& step, const plan::BufRef& ref, int v) {
+                                          const plan::Step& step, const plan::BufRef& ref,
+                                          const uint4* at) {
   const uint64_t start = global_timer_ns();
   uint32_t polls = 0;
   for (;;) {
     uint4 payload;
     uint32_t seen;
-    if (try_load_ll(resolve_ll(p, c, ref), v, c.ll_tag, payload, seen)) return payload;
-    if (plan::ll_foreign(seen, c.ll_tag)) {
-      fail(p, plan::make_ll_diagnostic(plan::FailureKind::kLLMismatch, position(p, c), step_index,
-                                       step, ref, seen, c.ll_tag));
+    if constexpr (Dense) {
+      payload = load_ll(at);
+      if (dense_arrived(payload)) return payload;
+      seen = dense_seen(payload);
+    } else {
+      if (try_load_ll(at, c.ll_tag, payload, seen)) return payload;
+      if (plan::ll_foreign(seen, c.ll_tag)) {
+        fail(p, plan::make_ll_diagnostic(plan::FailureKind::kLLMismatch, position(p, c), step_index,
+                                         step, ref, seen, c.ll_tag));
+      }
     }
     if (++polls == kPollsPerClockCheck) {
       polls = 0;
@@ -219,10 +260,29 @@ __device__ __forceinline__ uint4 await_ll(const LaunchParams& p, const Call& c, 
   }
 }
 
+// Lamport, once per step and CTA, by its last thread (which at decode sizes holds no vector of
+// the slice, so the data's threads do not wait for it): a step that writes an LL slot stores its
+// slice's header {0, tag, 0, tag}; a step that reads LL operands awaits each one's header like
+// a tagged LL vector (another call's tag: kLLMismatch) and resets it. plan/protocol.h.
+__device__ __forceinline__ void exchange_headers(const LaunchParams& p, const Call& c,
+                                                 int step_index, const plan::Step& step) {
+  if (step.dst.space == plan::Space::kLL) {
+    store_ll_payload(ll_header(p, c, step.dst, step.chunk), make_uint4(0u, 0u, 0u, 0u), c.ll_tag);
+  }
+  for (int i = 0; i < step.num_srcs; ++i) {
+    const plan::BufRef& ref = step.srcs[i];
+    if (ref.space != plan::Space::kLL) continue;
+    uint4* header = ll_header(p, c, ref, step.chunk);
+    await_ll<false>(p, c, step_index, step, ref, header);
+    reset_ll(header);
+    reset_ll(header + 1);
+  }
+}
+
 // Operands [First, First + K) of an LL step for payload vector v (`ll_mask`: ll_operand_mask):
-// plain ones loaded, LL ones polled until their tags say this call's data has landed (bounded by
-// p.timeout_ns; a tag of this parity that names another call fails at once), then reset to the
-// stale tag.
+// plain ones loaded, LL ones polled until their tags say this call's data has landed (Dense: until
+// no word is kLLEmpty; bounded by p.timeout_ns; a tag of this parity that names another call
+// fails at once), then reset to kLLEmpty.
 //
 // The first look puts the whole group in flight before it looks at any tag: every address
 // first, then every load (the LL words stay raw in lo/hi, 8 registers an LL operand), then the
@@ -232,7 +292,7 @@ __device__ __forceinline__ uint4 await_ll(const LaunchParams& p, const Call& c, 
 // from the staged step (shared memory) again where they are needed after the loads rather than
 // held in registers, and the mask goes through opaque_u32 so that its bits are tested here, not
 // hoisted out of the vector loop one register each.
-template <plan::Direction D, int First, int K>
+template <plan::Direction D, bool Dense, int First, int K>
 __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Call& c,
                                                 int step_index, const plan::Step& step,
                                                 uint32_t ll_mask, int v, uint4 (&x)[K]) {
@@ -243,7 +303,7 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const plan::BufRef& ref = step.srcs[First + k];
-    at[k] = (ll_mask >> (First + k)) & 1u ? resolve_ll(p, c, ref) + 2 * v : resolve(p, c, ref) + v;
+    at[k] = locate<Dense>(p, c, ref, v);
   }
   // First look, 2: every load of the group in flight at once.
   uint4 lo[K];
@@ -252,7 +312,7 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
   for (int k = 0; k < K; ++k) {
     if ((ll_mask >> (First + k)) & 1u) {
       lo[k] = load_ll(at[k]);
-      hi[k] = load_ll(at[k] + 1);
+      hi[k] = Dense ? lo[k] : load_ll(at[k] + 1);
     } else {
       lo[k] = load_operand<D>(at[k]);
       hi[k] = lo[k];
@@ -263,8 +323,8 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if ((ll_mask >> (First + k)) & 1u) {
-      if (!ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;
-      x[k] = ll_payload(lo[k], hi[k]);
+      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;
+      x[k] = Dense ? lo[k] : ll_payload(lo[k], hi[k]);
     } else {
       x[k] = lo[k];
     }
@@ -275,32 +335,32 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
   for (int k = 0; k < K; ++k) {
     if ((pending >> k) & 1u) {
       const plan::BufRef& ref = step.srcs[First + k];
-      x[k] = await_ll(p, c, step_index, step, ref, v);
+      x[k] = await_ll<Dense>(p, c, step_index, step, ref, locate<Dense>(p, c, ref, v));
     }
   }
-  // Consumed: the stale tag (other parity) can never match a generation that reads this
-  // parity's slot, so an LL word is valid exactly once per write.
-  const uint32_t stale = plan::ll_stale(tag);
+  // Consumed: no tag and no Lamport word is kLLEmpty, so an LL word is valid exactly once per
+  // write.
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if ((ll_mask >> (First + k)) & 1u) {
-      uint4* ll = resolve_ll(p, c, step.srcs[First + k]) + 2 * v;
-      store_ll(ll, 0u, 0u, stale);
-      store_ll(ll + 1, 0u, 0u, stale);
+      uint4* ll = locate<Dense>(p, c, step.srcs[First + k], v);
+      reset_ll(ll);
+      if constexpr (!Dense) reset_ll(ll + 1);
     }
   }
 }
 
 // Sums operands [First, N) of payload vector v into acc (fp32, operand order), kLLGroup at a
 // time. acc is only defined after operand 0, so group 0 widens instead of adding.
-template <typename T, plan::Direction D, int First, int N>
+template <typename T, plan::Direction D, bool Dense, int First, int N>
 __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call& c, int step_index,
                                               const plan::Step& step, uint32_t ll_mask, int v,
                                               float (&acc)[VecMath<T>::kElems]) {
   using M = VecMath<T>;
-  constexpr int K = N - First < kLLGroup ? N - First : kLLGroup;
+  constexpr int kGroup = Dense ? kLLDenseGroup : kLLGroup;
+  constexpr int K = N - First < kGroup ? N - First : kGroup;
   uint4 x[K];
-  gather_ll_group<D, First, K>(p, c, step_index, step, ll_mask, v, x);
+  gather_ll_group<D, Dense, First, K>(p, c, step_index, step, ll_mask, v, x);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (First + k == 0) {
@@ -317,17 +377,23 @@ __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call&
     // the adds past them and hold this group's operands (4 registers each) in place of the sum.
 #pragma unroll
     for (int e = 0; e < M::kElems; ++e) acc[e] = opaque_f32(acc[e]);
-    accumulate_ll<T, D, First + K, N>(p, c, step_index, step, ll_mask, v, acc);
+    accumulate_ll<T, D, Dense, First + K, N>(p, c, step_index, step, ll_mask, v, acc);
   }
 }
 
 // A reduce that reads or writes LL slots: the same sum as reduce_slice (operand order, fp32,
 // one rounding; a copy moves bits), with LL operands awaited per vector and an LL destination
-// written tagged. Nothing else: no fence, no flag, no barrier.
-template <typename T, plan::Direction D, int N>
+// written tagged (Dense: as it is, no word kLLEmpty, its header beside it). Nothing else: no
+// fence, no flag, no barrier.
+template <typename T, plan::Direction D, bool Dense, int N>
 __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Call& c,
                                                 int step_index, const plan::Step& step,
                                                 plan::VecRange range) {
+  if constexpr (Dense) {
+    if (threadIdx.x == blockDim.x - 1 && range.begin < range.end) {
+      exchange_headers(p, c, step_index, step);
+    }
+  }
   // LL slots hold at most plan::kMaxLLPayloadBytes: 32-bit vector indices, fewer registers.
   const int end = static_cast<int>(range.end);
   const uint32_t ll_mask = opaque_u32(ll_operand_mask<N>(step));
@@ -336,18 +402,20 @@ __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Cal
     uint4 out;
     if constexpr (N == 1) {
       uint4 x[1];
-      gather_ll_group<D, 0, 1>(p, c, step_index, step, ll_mask, v, x);
+      gather_ll_group<D, Dense, 0, 1>(p, c, step_index, step, ll_mask, v, x);
       out = x[0];
     } else {
       float acc[VecMath<T>::kElems];
-      accumulate_ll<T, D, 0, N>(p, c, step_index, step, ll_mask, v, acc);
+      accumulate_ll<T, D, Dense, 0, N>(p, c, step_index, step, ll_mask, v, acc);
       out = VecMath<T>::narrow(acc);
     }
-    uint4* dst = resolve_any(p, c, step.dst);
-    if (step.dst.space == plan::Space::kLL) {
-      store_ll_payload(dst + 2 * v, out, c.ll_tag);
+    uint4* dst = locate<Dense>(p, c, step.dst, v);
+    if (step.dst.space != plan::Space::kLL) {
+      store_cg(dst, out);
+    } else if constexpr (Dense) {
+      store_ll_vector(dst, dense_words<T>(out));
     } else {
-      store_cg(dst + v, out);
+      store_ll_payload(dst, out, c.ll_tag);
     }
   }
 }
@@ -359,16 +427,20 @@ __device__ __forceinline__ bool touches_ll(const plan::Step& step) {
 }
 
 // One instantiation per operand count keeps every operand array in registers.
+// `dense`: the program's LL slots are Lamport (plan::LLFormat::kDense). Read from the staged
+// program in shared memory once per step rather than held in a register through the whole
+// kernel (one more live register spills on sm_120).
 template <typename T, plan::Direction D, bool LL>
-__device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, int step_index,
-                                         const plan::Step& step, plan::VecRange range) {
+__device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, int s,
+                                         const plan::Step& step, bool dense, plan::VecRange range) {
   static_assert(plan::kMaxSources == 8);
-#define PCIE_AR_REDUCE_CASE(n)                                        \
-  case n:                                                             \
-    if constexpr (LL) {                                               \
-      return reduce_slice_ll<T, D, n>(p, c, step_index, step, range); \
-    } else {                                                          \
-      return reduce_slice<T, D, n>(p, c, step, range);                \
+#define PCIE_AR_REDUCE_CASE(n)                                                \
+  case n:                                                                     \
+    if constexpr (LL) {                                                       \
+      if (dense) return reduce_slice_ll<T, D, true, n>(p, c, s, step, range); \
+      return reduce_slice_ll<T, D, false, n>(p, c, s, step, range);           \
+    } else {                                                                  \
+      return reduce_slice<T, D, n>(p, c, step, range);                        \
     }
   switch (step.num_srcs) {
     PCIE_AR_REDUCE_CASE(1)
@@ -386,20 +458,28 @@ __device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, i
 
 // The LL decision is per step and uniform across the CTA (every thread reads the same step).
 template <typename T, plan::Direction D>
-__device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c, int step_index,
-                                           const plan::Step& step) {
+__device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
+                                           const plan::Program& program, int step_index) {
+  const plan::Step& step = program.steps[step_index];
   const plan::VecRange range =
       plan::slice_range(c.num_vecs, c.num_chunks, step.chunk, static_cast<int>(gridDim.x), c.block);
   if (touches_ll(step)) {
-    reduce_n<T, D, true>(p, c, step_index, step, range);
+    // LL is push-only: check_program() refuses a pull program with LL slots, so the pull kernels
+    // carry no LL code (half the instantiations, half the compile time).
+    if constexpr (D == plan::Direction::kPush) {
+      reduce_n<T, D, true>(p, c, step_index, step, program.ll_format == plan::LLFormat::kDense,
+                           range);
+    } else {
+      trap_kernel();
+    }
   } else if (D == plan::Direction::kPush && p.slots_in_host_memory) {
     // A push rank reads its own slots, which peers wrote this call. In device memory L2 is
     // where those writes land; in host memory (cuda_host) L2 may still hold the line from the
     // previous call of this parity, so read like pull operands: ld.cv re-fetches system-memory
     // lines. Direction only selects the loads in reduce_n.
-    reduce_n<T, plan::Direction::kPull, false>(p, c, step_index, step, range);
+    reduce_n<T, plan::Direction::kPull, false>(p, c, step_index, step, false, range);
   } else {
-    reduce_n<T, D, false>(p, c, step_index, step, range);
+    reduce_n<T, D, false>(p, c, step_index, step, false, range);
   }
 }
 
@@ -501,7 +581,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const plan::Step& step = program.steps[s];
     switch (step.kind) {
       case plan::StepKind::kReduce:
-        run_reduce<T, D>(p, c, s, step);
+        run_reduce<T, D>(p, c, program, s);
         break;
       case plan::StepKind::kSignal: {
         const int n = run_length(program, s, num_steps);

@@ -129,6 +129,14 @@ __device__ __forceinline__ void store_ll(uint4* ptr, uint32_t d0, uint32_t d1, u
   asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(ptr), "l"(lo), "l"(hi) : "memory");
 }
 
+// Four words as they are (a Lamport vector): the same access as store_ll, so each 64-bit half,
+// and every 32-bit word in it, is single-copy atomic.
+__device__ __forceinline__ void store_ll_vector(uint4* ptr, const uint4& v) {
+  const uint64_t lo = (static_cast<uint64_t>(v.y) << 32) | v.x;
+  const uint64_t hi = (static_cast<uint64_t>(v.w) << 32) | v.z;
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(ptr), "l"(lo), "l"(hi) : "memory");
+}
+
 // Payload vector `v` as the two LL vectors at ll[0], ll[1], every 8-byte word tagged.
 __device__ __forceinline__ void store_ll_payload(uint4* ll, const uint4& v, uint32_t tag) {
   store_ll(ll, v.x, v.y, tag);
@@ -157,18 +165,25 @@ __device__ __forceinline__ void allow_dependent_grids() {
 // executor kernels, both keeps everything in the 64 registers a 1024-thread CTA leaves each
 // thread (no spill, no stack frame: cuda_executor_no_spills) and issues every LL load of a group
 // before its first tag compare (tests/sass/check_sass.py). Measured per kernel:
-//   group 4: clean on sm_100; fp32 spills (4-8 bytes) on sm_86/89/120; no spill on sm_80/90, but
-//            ptxas gives a later operand's load the registers of an earlier operand's data, so
-//            that operand's tag compares move above the load (the look is half serial);
+//   group 4: fp32 spills (4-8 bytes) on sm_86/89/120; no spill on sm_80/90/100, but ptxas gives a
+//            later operand's load the registers of an earlier operand's data, so that operand's
+//            tag compares move above the load (the look is half serial; sm_100 was clean before
+//            the lamport kernels joined the executor, and is not since);
 //   group 3: clean on sm_120; fp32 spills on sm_86/89; half-serial looks on sm_80/90/100;
-//   group 2: clean on sm_86/89/90; on sm_80 two of sixteen fp32 looks still compare early.
+//   group 2: clean on sm_86/89/90/100; on sm_80 two of sixteen fp32 looks still compare early.
 // Larger groups save round trips when a reduce has more operands than one group.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 inline constexpr int kLLGroup = 3;
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-inline constexpr int kLLGroup = 4;
 #else
 inline constexpr int kLLGroup = 2;
+#endif
+// The same for Lamport operands (4 registers each, raw, against LL's 8), measured the same way:
+// group 4 is spill-free on sm_100 and sm_120 (on sm_120 group 3, the LL group, spills 4 bytes
+// in the bf16/fp16 kernels); below sm_100 the LL group is kept, not measured further.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+inline constexpr int kLLDenseGroup = 4;
+#else
+inline constexpr int kLLDenseGroup = kLLGroup;
 #endif
 
 // The value itself, as something new each time: the compiler can neither re-derive it from what

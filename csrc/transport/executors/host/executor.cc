@@ -32,6 +32,7 @@ static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
 // on the stack: 1 KiB of payload, in L1 while the reduce uses it.
 constexpr int64_t kLLTileVecs = 64;
 constexpr int kWordsPerVec = plan::kVectorBytes / sizeof(uint32_t);  // one LL word per payload word
+constexpr int kHeaderWords = plan::kLLHeaderBytes / sizeof(uint64_t);  // tagged LL words
 // A reduce with two destinations sums this many vectors (8 KiB: operands and result stay in a
 // 32 KiB L1) into the first, then copies them to the second.
 constexpr int64_t kFusedTileVecs = 512;
@@ -131,6 +132,8 @@ class BlockPass {
                              static_cast<uint32_t>(call.numel), call.signature};
     parity_ = plan::gen_parity(gen);
     tag_ = plan::ll_tag(gen, at_.numel, at_.signature);
+    dense_ = program.ll_format == plan::LLFormat::kDense;
+    elem_bytes_ = plan::dtype_bytes(call.dtype);
     num_vecs_ = call.numel * plan::dtype_bytes(call.dtype) / plan::kVectorBytes;
   }
 
@@ -181,7 +184,7 @@ class BlockPass {
         break;
       case Space::kLL:
         return bases_[ref.owner] + layout_.ll_slot_offset(parity_, ref.slot) +
-               first_vec * plan::kVectorBytes * plan::kLLExpansion;
+               first_vec * plan::kVectorBytes * (dense_ ? 1 : plan::kLLExpansion);
     }
     return base + first_vec * plan::kVectorBytes;
   }
@@ -204,6 +207,7 @@ class BlockPass {
         plan::slice_range(num_vecs_, program_.num_chunks, step.chunk, call_.blocks, block_);
     if (range.end <= range.begin) return;
     if (touches_ll(step)) {
+      if (dense_) exchange_headers(index, step);
       for (int64_t v = range.begin; v < range.end; v += kLLTileVecs) {
         run_ll_tile(index, step, reduce, v, std::min(kLLTileVecs, range.end - v));
       }
@@ -271,9 +275,18 @@ class BlockPass {
   }
 
   // Writes `count` payload vectors as LL words: one 64-bit release store per payload word (a
-  // plain store on x86), so a reader that sees the tag sees the payload beside it.
+  // plain store on x86), so a reader that sees the tag sees the payload beside it. Lamport: the
+  // payload words themselves, none of them kLLEmpty (plan::ll_dense_word).
   void store_ll(const uint8_t* payload, uint8_t* ll, int64_t count) const {
     const auto* words = reinterpret_cast<const uint32_t*>(payload);
+    if (dense_) {
+      auto* out = reinterpret_cast<uint32_t*>(ll);
+      for (int64_t i = 0; i < count * kWordsPerVec; ++i) {
+        std::atomic_ref<uint32_t>(out[i]).store(plan::ll_dense_word(words[i], elem_bytes_),
+                                                std::memory_order_release);
+      }
+      return;
+    }
     auto* out = reinterpret_cast<uint64_t*>(ll);
     for (int64_t i = 0; i < count * kWordsPerVec; ++i) {
       std::atomic_ref<uint64_t>(out[i]).store(plan::ll_word(words[i], tag_),
@@ -282,15 +295,30 @@ class BlockPass {
   }
 
   // Waits for `count` payload vectors of LL slot `src` (this rank's memory, at `ll`), copies
-  // their payload to `payload`, and resets each word's tag to the stale parity.
+  // their payload to `payload`, and leaves every word it read kLLEmpty.
   void await_ll(int index, const Step& step, const BufRef& src, uint8_t* ll, uint8_t* payload,
                 int64_t count) const {
-    auto* words = reinterpret_cast<uint64_t*>(ll);
     auto* out = reinterpret_cast<uint32_t*>(payload);
-    const uint64_t stale = plan::ll_word(0, plan::ll_stale(tag_));
     // The writer stores the tile in order: wait for its last word first, so this core does not
     // chase the writer's core cache line by cache line. Every word is still checked below.
     const int64_t last = count * kWordsPerVec - 1;
+    if (dense_) {
+      auto* words = reinterpret_cast<uint32_t*>(ll);
+      if (std::atomic_ref<uint32_t>(words[last]).load(std::memory_order_acquire) ==
+          plan::kLLEmpty) {
+        await_dense_word(index, step, src, std::atomic_ref<uint32_t>(words[last]));
+      }
+      for (int64_t i = 0; i <= last; ++i) {
+        const std::atomic_ref<uint32_t> word(words[i]);
+        uint32_t seen = word.load(std::memory_order_acquire);
+        if (seen == plan::kLLEmpty) seen = await_dense_word(index, step, src, word);
+        out[i] = seen;
+        word.store(plan::kLLEmpty, std::memory_order_relaxed);
+      }
+      return;
+    }
+    auto* words = reinterpret_cast<uint64_t*>(ll);
+    const uint64_t empty = plan::ll_word(plan::kLLEmpty, plan::kLLEmpty);
     if (plan::ll_word_tag(std::atomic_ref<uint64_t>(words[last]).load(std::memory_order_acquire)) !=
         tag_) {
       await_ll_word(index, step, src, std::atomic_ref<uint64_t>(words[last]));
@@ -300,8 +328,50 @@ class BlockPass {
       uint64_t seen = word.load(std::memory_order_acquire);
       if (plan::ll_word_tag(seen) != tag_) seen = await_ll_word(index, step, src, word);
       out[i] = plan::ll_word_payload(seen);
-      word.store(stale, std::memory_order_relaxed);
+      word.store(empty, std::memory_order_relaxed);
     }
+  }
+
+  // Lamport, before a step's data (plan/protocol.h): a step that writes an LL slot stores the
+  // header of its slice, {0, tag, 0, tag}; a step that reads one awaits each operand's header
+  // and resets it, so a peer in another call fails the step here instead of being summed.
+  void exchange_headers(int index, const Step& step) const {
+    if (step.dst.space == Space::kLL) {
+      auto* header = reinterpret_cast<uint64_t*>(header_of(step.dst, step.chunk));
+      for (int i = 0; i < kHeaderWords; ++i) {
+        std::atomic_ref<uint64_t>(header[i]).store(plan::ll_word(0, tag_),
+                                                   std::memory_order_release);
+      }
+    }
+    const uint64_t empty = plan::ll_word(plan::kLLEmpty, plan::kLLEmpty);
+    for (int s = 0; s < step.num_srcs; ++s) {
+      const BufRef& src = step.srcs[s];
+      if (src.space != Space::kLL) continue;
+      auto* header = reinterpret_cast<uint64_t*>(header_of(src, step.chunk));
+      for (int i = 0; i < kHeaderWords; ++i) {
+        const std::atomic_ref<uint64_t> word(header[i]);
+        if (plan::ll_word_tag(word.load(std::memory_order_acquire)) != tag_) {
+          await_ll_word(index, step, src, word);
+        }
+        word.store(empty, std::memory_order_relaxed);
+      }
+    }
+  }
+
+  uint8_t* header_of(const BufRef& ref, int chunk) const {
+    return bases_[ref.owner] + layout_.ll_header_offset(parity_, ref.slot, chunk, block_);
+  }
+
+  // A Lamport word carries no tag: it either arrives or times out (the header names a call).
+  uint32_t await_dense_word(int index, const Step& step, const BufRef& src,
+                            const std::atomic_ref<uint32_t>& word) const {
+    const uint32_t seen =
+        await_value([&] { return word.load(std::memory_order_acquire); },
+                    [](uint32_t w) { return w != plan::kLLEmpty; }, budget_, [&] { idle(index); },
+                    [&] { interrupted(index, step, src.writer); });
+    if (seen != plan::kLLEmpty) return seen;
+    fail(
+        plan::make_ll_diagnostic(plan::FailureKind::kLLTimeout, at_, index, step, src, seen, tag_));
   }
 
   uint64_t await_ll_word(int index, const Step& step, const BufRef& src,
@@ -379,7 +449,9 @@ class BlockPass {
   const StepHook* hook_;  // nullptr unless a test installed one
   plan::CallPosition at_{};
   int parity_ = 0;
-  uint32_t tag_ = 0;  // every LL word of this call carries it
+  uint32_t tag_ = 0;    // every LL word (and Lamport header) of this call carries it
+  bool dense_ = false;  // the program's LL slots are Lamport (plan::LLFormat::kDense)
+  int elem_bytes_ = 0;
   int64_t num_vecs_ = 0;
 };
 

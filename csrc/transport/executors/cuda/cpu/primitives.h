@@ -128,6 +128,8 @@ inline void store_ll(uint4* ptr, uint32_t d0, uint32_t d1, uint32_t tag) {
   cpu_device::store(ptr, &v, sizeof(v));
 }
 
+inline void store_ll_vector(uint4* ptr, const uint4& v) { cpu_device::store(ptr, &v, sizeof(v)); }
+
 inline void store_ll_payload(uint4* ll, const uint4& v, uint32_t tag) {
   store_ll(ll, v.x, v.y, tag);
   store_ll(ll + 1, v.z, v.w, tag);
@@ -141,6 +143,7 @@ inline void allow_dependent_grids() {}
 
 // No register budget: every operand of a reduce in one group.
 inline constexpr int kLLGroup = plan::kMaxSources;
+inline constexpr int kLLDenseGroup = plan::kMaxSources;
 
 // No optimizer to keep from re-deriving it.
 inline uint32_t opaque_u32(uint32_t v) { return v; }
