@@ -1,6 +1,6 @@
 """The cost model's report for the decode-size targets (issue 23): modelled microseconds of one
-call for every tactic, for the executor before item 1, today's, and today's with each change the
-model prices (parallel re-looks of missed operands; one load feeding every delivery copy), and
+call for every tactic, for the executor before item 1, before item 2, today's, and today's with
+the change the model prices that it does not make yet (parallel re-looks of missed operands), and
 the critical path of the best tactic of each target. No GPU needed: it is arithmetic on the step
 lists (csrc/plan/cost_model.h).
 
@@ -22,13 +22,14 @@ TARGETS = (
     ("world 4, cuda_host", [0] * 4, "cuda_host"),
 )
 
-# The executor before issue 23's item 1, today's, and two changes the model prices that the
-# executor does not make yet (docs/benchmarks.md, "Issue 23").
+# The executor before issue 23's item 1 (serial first look, one load per copy), before item 2
+# (one load per copy), today's, and a change the model prices that the executor does not make
+# yet (docs/benchmarks.md, "Issue 23").
 EXECUTORS = (
-    ("before item 1", {"parallel_first_look": False}),
+    ("before item 1", {"parallel_first_look": False, "multi_destination_copies": False}),
+    ("before item 2", {"multi_destination_copies": False}),
     ("today", {}),
     ("+ parallel re-looks", {"parallel_relooks": True}),
-    ("+ one-load copies", {"parallel_relooks": True, "multi_destination_copies": True}),
 )
 
 

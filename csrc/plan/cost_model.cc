@@ -16,11 +16,11 @@ namespace pcie_ar::plan {
 
 ExecutorModel current_executor() {
   ExecutorModel e;
-  e.first_look_group = 3;              // kLLGroup on sm_120 (primitives_gpu.cuh)
-  e.dense_first_look_group = 4;        // kLLDenseGroup on sm_120
-  e.parallel_first_look = true;        // gather_ll_group: loads, then compares (tests/sass)
-  e.parallel_relooks = false;          // a missed operand: await_ll, one at a time
-  e.multi_destination_copies = false;  // one copy step per destination; fused steps refused
+  e.first_look_group = 2;             // kLLGroup (primitives_gpu.cuh)
+  e.dense_first_look_group = 4;       // kLLDenseGroup on sm_120
+  e.parallel_first_look = true;       // gather_ll_group: loads, then compares (tests/sass)
+  e.parallel_relooks = false;         // a missed operand: await_ll, one at a time
+  e.multi_destination_copies = true;  // runs of copies of one chunk: run_fanout (item 2)
   return e;
 }
 
@@ -229,11 +229,17 @@ class Model {
     const Step& step = program[index];
     Timed& t = now_[r];
     const bool ll_dst = step.dst.space == Space::kLL;
-    const bool reuses_source =
-        e_.multi_destination_copies && step.num_srcs == 1 && index > 0 &&
-        program[index - 1].kind == StepKind::kReduce && program[index - 1].num_srcs == 1 &&
-        program[index - 1].chunk == step.chunk &&
-        key(r, program[index - 1].srcs[0], step.chunk) == key(r, step.srcs[0], step.chunk);
+    // The executor's fan-out (fanout_length in executor.cuh): a copy of this rank's own input
+    // or output that follows a copy of the same chunk of it to the same kind of destination.
+    const auto copy_of_own_tensor = [](const Step& s) {
+      return s.kind == StepKind::kReduce && s.num_srcs == 1 && s.num_dsts == 1 &&
+             (s.srcs[0].space == Space::kInput || s.srcs[0].space == Space::kOutput);
+    };
+    const bool reuses_source = e_.multi_destination_copies && index > 0 &&
+                               copy_of_own_tensor(step) && copy_of_own_tensor(program[index - 1]) &&
+                               program[index - 1].chunk == step.chunk &&
+                               program[index - 1].srcs[0].space == step.srcs[0].space &&
+                               program[index - 1].dst.space == step.dst.space;
     int i = 0;
     while (i < step.num_srcs) {
       const int group = std::max(

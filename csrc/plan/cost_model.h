@@ -50,10 +50,10 @@ struct LatencyModel {
 
 // What the executor's code does that the model cannot read from the step lists.
 struct ExecutorModel {
-  // Operands a thread takes at a time (kLLGroup in primitives_gpu.cuh: 3 on sm_120, the PCIe
-  // Blackwell hosts this project is for, 2 elsewhere).
-  int first_look_group = 3;
-  // The same for Lamport operands (kLLDenseGroup: 4 on sm_100 and sm_120, kLLGroup below).
+  // Operands a thread takes at a time (kLLGroup in primitives_gpu.cuh: 2 on every architecture).
+  int first_look_group = 2;
+  // The same for Lamport operands (kLLDenseGroup: 4 on sm_100 and sm_120, the PCIe Blackwell
+  // hosts this project is for; kLLGroup below).
   int dense_first_look_group = 4;
   // True when a group's loads all issue before its first tag compare; false when each LL
   // operand's compare waits for its own load before the next operand's load issues (every LL
@@ -62,8 +62,9 @@ struct ExecutorModel {
   // True when a look after a miss re-loads every missing operand of the group at once; false
   // when the missing ones are awaited one at a time, in operand order (one more look each).
   bool parallel_relooks = false;
-  // Consecutive copies of one source to several destinations load it once (a multi-destination
-  // copy); false: each copy re-loads its source and waits for it before it stores.
+  // Consecutive copies of one chunk of this rank's input or output to several destinations of
+  // one kind load it once (the executor's fan-out); false: each copy re-loads its source and
+  // waits for it before it stores.
   bool multi_destination_copies = false;
 };
 

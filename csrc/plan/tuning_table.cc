@@ -39,14 +39,14 @@ nvlink,*,*,0,*,fallback,,,,
 # memory): every poll is a PCIe read of host DRAM and every slot byte crosses the GPU's link.
 cuda_host,2,*,0,131072,oneshot,push,0,8,256,lamport
 cuda_host,2,*,131072,*,oneshot,push,0,32,512
-cuda_host,4,*,0,32768,oneshot,push,0,8,256,lamport
-cuda_host,4,*,32768,131072,oneshot,pull,0,16,256
-cuda_host,4,*,131072,262144,oneshot,pull,0,32,512
+cuda_host,4,*,0,16384,oneshot,push,0,8,256,lamport
+cuda_host,4,*,16384,131072,oneshot,push,0,16,256
+cuda_host,4,*,131072,262144,oneshot,push,0,32,512
 cuda_host,4,*,262144,*,twoshot,push,0,32,512
 cuda_host,*,*,0,8192,oneshot,push,0,8,256,lamport
-cuda_host,*,*,8192,131072,oneshot,pull,0,16,256
-cuda_host,*,*,131072,524288,twoshot,pull,0,32,512
-cuda_host,*,*,524288,*,twoshot,push,0,32,512
+cuda_host,*,*,8192,131072,oneshot,push,0,16,256
+cuda_host,*,*,131072,262144,twoshot,push,0,8,256,lamport
+cuda_host,*,*,262144,*,twoshot,push,0,32,512
 # Two sockets: reduce inside each island and cross the socket link once.
 islands-2x4,8,*,0,16384,island_oneshot,push,0,8,256,lamport
 islands-2x4,8,*,16384,262144,island_twoshot,push,0,8,256,lamport
@@ -55,8 +55,8 @@ islands-2x4,8,*,524288,*,island_twoshot,push,1,32,512
 islands-2x3,6,*,0,32768,island_oneshot,push,0,8,256,lamport
 islands-2x3,6,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x3,6,*,262144,*,island_twoshot,push,1,32,512
-islands-2x2,4,*,0,2048,oneshot,push,0,8,256,lamport
-islands-2x2,4,*,2048,32768,island_oneshot,push,0,8,256,lamport
+islands-2x2,4,*,0,4096,oneshot,push,0,8,256,lamport
+islands-2x2,4,*,4096,32768,island_oneshot,push,0,8,256,lamport
 islands-2x2,4,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x2,4,*,262144,*,island_twoshot,push,0,32,512
 # One switch or root complex.

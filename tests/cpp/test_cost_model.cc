@@ -127,12 +127,13 @@ TEST(CostModel, SerialLooksCostRoundTripsThatParallelLooksSave) {
 }
 
 // What the model assumes of today's executor is what tests/sass checks of its code.
-TEST(CostModel, TodaysExecutorHasAParallelFirstLookAndSerialRelooks) {
+TEST(CostModel, TodaysExecutorHasAParallelFirstLookSerialRelooksAndFanOutCopies) {
   const ExecutorModel e = current_executor();
   EXPECT_TRUE(e.parallel_first_look);
   EXPECT_FALSE(e.parallel_relooks);
-  EXPECT_FALSE(e.multi_destination_copies);
-  EXPECT_EQ(e.first_look_group, 3);  // kLLGroup on sm_120
+  EXPECT_TRUE(e.multi_destination_copies);
+  EXPECT_EQ(e.first_look_group, 2);        // kLLGroup
+  EXPECT_EQ(e.dense_first_look_group, 4);  // kLLDenseGroup on sm_120
 }
 
 // Groups bound the parallel look: with groups of 3 at world 8 the eight operands take three

@@ -110,7 +110,7 @@ def test_a_failed_p2p_check_moves_every_rank_to_host_memory_and_says_why(clean_s
         assert res["fields"]["transport"] == "cuda_host" and \
             res["fields"]["topology"] == "cuda_host"
         assert res["fingerprint"].startswith("cuda_host-w2-")
-        assert res["tactic"].startswith("oneshot/push/unstaged/ll/b8/"), res["tactic"]
+        assert res["tactic"].startswith("oneshot/push/unstaged/lamport/b8/"), res["tactic"]
         assert res["correct"] and res["kernel_calls"] == 1
     assert results[0]["fingerprint"] == results[1]["fingerprint"]
 

@@ -414,5 +414,7 @@ def test_a_small_budget_stops_the_rounds_instead_of_being_overrun(tmp_path, clea
     numbers), and a generous one still runs at least the ten."""
     tight = run_ranks(_rounds_under, 2, str(tmp_path / "tight"), 0.02).values()
     assert tight[0] == tight[1] and tight[0] and set(tight[0]) == {3}, tight
-    roomy = run_ranks(_rounds_under, 2, str(tmp_path / "roomy"), QUICK["budget_s"]).values()
+    # Generous: five times QUICK's (twelve host tactics at world 2 since lamport joined, on a
+    # 2-core machine that may be busy with other work).
+    roomy = run_ranks(_rounds_under, 2, str(tmp_path / "roomy"), 5 * QUICK["budget_s"]).values()
     assert roomy[0] == roomy[1] and min(roomy[0]) >= 10, roomy

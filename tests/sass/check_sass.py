@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Checks the CUDA executor's machine code (SASS): the LL and lamport first looks are parallel,
-nothing spills.
+delivery loads once for every destination, nothing spills.
 
     check_sass.py --tools DIR --object launch.cu.o          # the object the build made (CTest)
     check_sass.py --tools DIR --compile --arch 90 --arch 120 [--csrc DIR] [--nvcc PATH]
@@ -28,6 +28,11 @@ What is checked, in every executor kernel (executor_kernel<T, D>) of every archi
 (c) The same for a lamport group: every lamport load of the group is issued before the first
     compare of any of its words with the empty word (kLLEmpty, 0x80000000).
 
+(d) Delivery loads once (issue 23, item 2): a run of copies of one chunk to several peers is one
+    loop that loads each vector once and stores it to every destination (run_fanout in
+    executor.cuh), up to kMaxFanout = 7 destinations, both to plain slots (flag) and to LL slots
+    (LL and lamport: volatile stores).
+
 The heuristic for (a), on the instruction listing in address order:
 
   * An LL load pair is how load_ll reads payload vector v of an LL slot: two 16-byte global
@@ -52,6 +57,13 @@ immediate -0x80000000 (kLLEmpty as SASS prints it); a lamport load is such a loa
 of an LL pair (one LL vector per payload vector) and that some lamport compare of the window
 reads. Plain operands on host memory (ld.cv) are volatile loads too, but nothing compares them
 with the empty word.
+
+The heuristic for (d): an innermost loop is the code between a backward branch and its target
+with no other backward branch inside. Its fan-out is the number of its 16-byte global stores
+(the two halves of an LL payload, at o and o + 0x10 of one base register, count once), divided
+by the number of its 16-byte global loads (an unrolled loop has as many of each per iteration). Per push kernel, the widest fan-out of loops storing
+plain (st.global.cg) and of loops storing volatile (LL, lamport) must both reach 7. A loop that
+re-loads its source per destination, as the executor did before item 2, has a fan-out of 1.
 
 The check also requires that every push kernel holds windows with two or more LL pairs and
 windows with two or more lamport loads: if none are found the SASS has changed shape and the
@@ -151,6 +163,8 @@ def is_ll_load(i: Insn) -> bool:
 
 
 EMPTY_WORD = "-0x80000000"  # kLLEmpty as an ISETP immediate
+MAX_FANOUT = 7  # kMaxFanout in executor.cuh: every peer of an 8-rank world
+STORE_ADDRESS = re.compile(r"\[(R\d+)(?:\.64)?(?:\s*\+\s*(0x[0-9a-f]+|\d+))?\]")
 
 
 def is_separator(i: Insn) -> bool:
@@ -245,6 +259,39 @@ def windows(insns: list[Insn]) -> list[Window]:
     return found
 
 
+def backward_target(i: Insn) -> int | None:
+    if i.op.startswith("BRA") and i.args:
+        target = re.match(r"`?\(?(0x[0-9a-f]+)", i.args[-1])
+        if target and int(target.group(1), 16) <= i.addr:
+            return int(target.group(1), 16)
+    return None
+
+
+def fanouts(insns: list[Insn]) -> dict[str, int]:
+    """The widest fan-out of the innermost loops, by the kind of store: {'plain': w, 'volatile': w}."""
+    branches = [(backward_target(i), i.addr) for i in insns]
+    loops = [(t, a) for t, a in branches if t is not None]
+    widest = {"plain": 0, "volatile": 0}
+    for target, end in loops:
+        if any(target <= t and a < end for t, a in loops if (t, a) != (target, end)):
+            continue  # not innermost
+        body = [i for i in insns if target <= i.addr <= end]
+        loads = [i for i in body if i.op.startswith("LDG") and ".128" in i.op]
+        stores = [i for i in body if i.op.startswith("STG") and ".128" in i.op]
+        if not loads or not stores:
+            continue
+        kind = "volatile" if all("STRONG.SYS" in i.op for i in stores) else "plain"
+        payloads, last = 0, None
+        for i in stores:
+            m = STORE_ADDRESS.search(i.args[0])
+            at = (m.group(1), int(m.group(2) or "0", 0)) if m else None
+            if not (at and last and at == (last[0], last[1] + 0x10)):
+                payloads += 1  # not the upper half of the LL payload stored just before
+            last = at
+        widest[kind] = max(widest[kind], payloads // len(loads))
+    return widest
+
+
 @dataclass
 class Report:
     arch: str
@@ -256,6 +303,7 @@ class Report:
     dense_looks: int  # windows with two or more lamport loads
     dense_widest: int
     dense_late: list[Window]  # windows where an empty-word compare precedes a lamport load
+    fanout: dict[str, int]  # the widest delivery loop per kind of store
 
 
 def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
@@ -267,7 +315,8 @@ def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
     dense_late = [w for w in dense
                   if w.first_dense_compare and w.first_dense_compare[0] < w.dense[-1][0]]
     return Report(arch, kernel, lmem, len(multi), max((len(w.pairs) for w in multi), default=0),
-                  late, len(dense), max((len(w.dense) for w in dense), default=0), dense_late)
+                  late, len(dense), max((len(w.dense) for w in dense), default=0), dense_late,
+                  fanouts(insns))
 
 
 def is_push(kernel: str) -> bool:
@@ -383,6 +432,11 @@ def main() -> int:
             blind = True
             verdict.append("NO LAMPORT FIRST LOOK FOUND (two or more lamport loads in one "
                            "window): the heuristic needs updating")
+        narrow = [k for k, w in r.fanout.items() if w < MAX_FANOUT]
+        if push and narrow:
+            failed = True
+            verdict.append(f"FAIL delivery: no loop stores one load to {MAX_FANOUT} destinations "
+                           f"({', '.join(f'{k} {r.fanout[k]}' for k in narrow)} at most)")
         if not push and (r.looks or r.dense_looks):
             failed = True
             verdict.append("FAIL a pull kernel holds LL code (LL and lamport are push-only)")
@@ -397,7 +451,9 @@ def main() -> int:
                                f" serial first look: in {len(late)} of {looks} first looks {what}")
         status = "; ".join(verdict) if verdict else "ok"
         looks = (f"first looks with 2+ operands: LL {r.looks} (widest {r.widest}), lamport "
-                 f"{r.dense_looks} (widest {r.dense_widest})" if push else "no LL code (pull)")
+                 f"{r.dense_looks} (widest {r.dense_widest}); delivery fan-out plain "
+                 f"{r.fanout['plain']}, volatile {r.fanout['volatile']}" if push
+                 else "no LL code (pull)")
         print(f"{arch:7} {short(kernel):32} {len(insns):6} insns, no LDL/STL: "
               f"{'no' if r.lmem else 'yes'}, {looks} -> {status}")
         if r.late:
@@ -415,8 +471,8 @@ def main() -> int:
     where = f" on {', '.join(sorted(seen & enforced))}" if enforced else ""
     note = f"; {reported} kernels with a serial first look where it is not enforced" if reported else ""
     print(f"check_sass: passed: {len(kernels)} executor kernels, no local memory, every LL and "
-          f"lamport first look issues all its loads before its first compare{where}{note} "
-          f"({seconds:.1f} s)")
+          f"lamport first look issues all its loads before its first compare{where}{note}, "
+          f"delivery loads once for up to {MAX_FANOUT} destinations ({seconds:.1f} s)")
     return 0
 
 

@@ -49,10 +49,10 @@ class Mutant:
 
 MUTANTS = [
     Mutant("no_barrier_before_signal", EXECUTOR,
-           "        const int n = run_length(program, s, num_steps);\n        __syncthreads();\n"
-           "        for (int j = threadIdx.x; j < n; j += blockDim.x) raise_flag(",
-           "        const int n = run_length(program, s, num_steps);\n"
-           "        for (int j = threadIdx.x; j < n; j += blockDim.x) raise_flag(",
+           "        const int n = run_length(program, s);\n        __syncthreads();\n"
+           "        for (int j = thread_index(); j < n; j += blockDim.x) raise_flag(",
+           "        const int n = run_length(program, s);\n"
+           "        for (int j = thread_index(); j < n; j += blockDim.x) raise_flag(",
            "a signal may go out before the CTA's other threads have written their part"),
     Mutant("no_barrier_after_waits", EXECUTOR,
            "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n"
@@ -90,6 +90,20 @@ MUTANTS = [
            "      (void)0;\n",
            "no lamport header: a peer in another call (same generation, other dtype or size) is "
            "summed instead of reported"),
+    Mutant("fanout_first_destination_only", EXECUTOR,
+           "    for (int j = 0; j < N; ++j) {\n      const plan::BufRef& ref = program.steps[s + j].dst;",
+           "    for (int j = 0; j < 1; ++j) {\n      const plan::BufRef& ref = program.steps[s + j].dst;",
+           "a fan-out loads once and stores to its first destination only: the other peers never "
+           "get the data"),
+    Mutant("fanout_ignores_chunk", EXECUTOR,
+           "        next.chunk != first.chunk || next.srcs[0].space != src.space ||",
+           "        next.srcs[0].space != src.space ||",
+           "copies of different chunks run as one fan-out: every destination gets the first "
+           "step's chunk"),
+    Mutant("fanout_without_headers", EXECUTOR,
+           "      for (int j = 0; j < N; ++j) exchange_headers(p, c, s + j, program.steps[s + j]);\n",
+           "      (void)0;\n",
+           "a lamport fan-out sends no headers: its readers never learn which call the data is of"),
     Mutant("wrong_parity", EXECUTOR,
            "  c.parity = plan::gen_parity(c.gen);\n",
            "  c.parity = 0;\n",

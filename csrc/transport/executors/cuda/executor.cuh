@@ -49,8 +49,13 @@ struct Call {
   int parity;
   uint32_t ll_tag;  // plan::ll_tag of this call: every LL word it writes or expects
   int64_t num_vecs;
-  int num_chunks;
 };
+
+// A data slot (ref.space == kSlot), the one space a peer's data lands in.
+__device__ __forceinline__ uint4* resolve_slot(const LaunchParams& p, const Call& c,
+                                               const plan::BufRef& ref) {
+  return reinterpret_cast<uint4*>(p.bases[ref.owner] + p.layout.slot_offset(c.parity, ref.slot));
+}
 
 __device__ __forceinline__ uint4* resolve(const LaunchParams& p, const Call& c,
                                           const plan::BufRef& ref) {
@@ -60,8 +65,7 @@ __device__ __forceinline__ uint4* resolve(const LaunchParams& p, const Call& c,
     case plan::Space::kOutput:
       return static_cast<uint4*>(p.outputs[c.rank]);
     default:
-      return reinterpret_cast<uint4*>(p.bases[ref.owner] +
-                                      p.layout.slot_offset(c.parity, ref.slot));
+      return resolve_slot(p, c, ref);
   }
 }
 
@@ -144,7 +148,7 @@ __device__ __forceinline__ void reduce_slice(const LaunchParams& p, const Call& 
 #pragma unroll
   for (int i = 0; i < N; ++i) src[i] = resolve(p, c, step.srcs[i]);
   uint4* dst = resolve(p, c, step.dst);
-  for (int64_t v = range.begin + threadIdx.x; v < range.end; v += blockDim.x) {
+  for (int64_t v = range.begin + thread_index(); v < range.end; v += blockDim.x) {
     uint4 x[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) x[i] = load_operand<D>(src[i] + v);
@@ -390,14 +394,14 @@ __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Cal
                                                 int step_index, const plan::Step& step,
                                                 plan::VecRange range) {
   if constexpr (Dense) {
-    if (threadIdx.x == blockDim.x - 1 && range.begin < range.end) {
+    if (thread_index() == static_cast<int>(blockDim.x) - 1 && range.begin < range.end) {
       exchange_headers(p, c, step_index, step);
     }
   }
   // LL slots hold at most plan::kMaxLLPayloadBytes: 32-bit vector indices, fewer registers.
   const int end = static_cast<int>(range.end);
   const uint32_t ll_mask = opaque_u32(ll_operand_mask<N>(step));
-  for (int v = static_cast<int>(range.begin) + static_cast<int>(threadIdx.x); v < end;
+  for (int v = static_cast<int>(range.begin) + thread_index(); v < end;
        v += static_cast<int>(blockDim.x)) {
     uint4 out;
     if constexpr (N == 1) {
@@ -461,8 +465,8 @@ template <typename T, plan::Direction D>
 __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
                                            const plan::Program& program, int step_index) {
   const plan::Step& step = program.steps[step_index];
-  const plan::VecRange range =
-      plan::slice_range(c.num_vecs, c.num_chunks, step.chunk, static_cast<int>(gridDim.x), c.block);
+  const plan::VecRange range = plan::slice_range(c.num_vecs, program.num_chunks, step.chunk,
+                                                 static_cast<int>(gridDim.x), c.block);
   if (touches_ll(step)) {
     // LL is push-only: check_program() refuses a pull program with LL slots, so the pull kernels
     // carry no LL code (half the instantiations, half the compile time).
@@ -480,6 +484,118 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
     reduce_n<T, plan::Direction::kPull, false>(p, c, step_index, step, false, range);
   } else {
     reduce_n<T, D, false>(p, c, step_index, step, false, range);
+  }
+}
+
+// ------------------------------------------------------------------ fan-out copies
+
+// Delivery (issue 23, item 2): a run of copy steps that send the same chunk of this rank's own
+// input or output to several places (one-shot's copies to every peer, the all-gather's copies of
+// a reduced chunk) is one pass: each vector is loaded once and stored to every destination,
+// instead of once per step, each step waiting for its own load. The steps stay in the program
+// as the verifier proved them; only the executor runs them together (fanout_length says which).
+inline constexpr int kMaxFanout = plan::kMaxWorld - 1;
+
+// How a fan-out's destinations hold data: plain slots (flag), LL words, or lamport words.
+enum class Fanout { kPlain, kTagged, kDense };
+
+// Steps s, s + 1, ... that copy step s's source to slots of the same kind: single-source,
+// single-destination reduces of the same chunk from the same buffer, which is this rank's input
+// or output (never an LL slot: those are read once per write), each into a data slot or each
+// into an LL slot. 1 when step s starts no run.
+__device__ __forceinline__ int fanout_length(const plan::Program& program, int s) {
+  const plan::Step& first = program.steps[s];
+  const plan::BufRef& src = first.srcs[0];
+  if (first.num_srcs != 1 || first.num_dsts != 1 ||
+      (src.space != plan::Space::kInput && src.space != plan::Space::kOutput) ||
+      (first.dst.space != plan::Space::kSlot && first.dst.space != plan::Space::kLL)) {
+    return 1;
+  }
+  int end = s + 1;
+  while (end < program.num_steps && end - s < kMaxFanout) {
+    const plan::Step& next = program.steps[end];
+    if (next.kind != plan::StepKind::kReduce || next.num_srcs != 1 || next.num_dsts != 1 ||
+        next.chunk != first.chunk || next.srcs[0].space != src.space ||
+        next.dst.space != first.dst.space) {
+      break;
+    }
+    ++end;
+  }
+  return end - s;
+}
+
+// Steps [s, s + N) as one pass over their (shared) slice: one load, N stores per vector.
+template <typename T, plan::Direction D, Fanout F, int N>
+__device__ __forceinline__ void fanout(const LaunchParams& p, const Call& c,
+                                       const plan::Program& program, int s, plan::VecRange range) {
+  if constexpr (F == Fanout::kDense) {
+    if (thread_index() == static_cast<int>(blockDim.x) - 1 && range.begin < range.end) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) exchange_headers(p, c, s + j, program.steps[s + j]);
+    }
+  }
+  const uint4* src = resolve(p, c, program.steps[s].srcs[0]);
+  // Each destination's address is derived from the staged step where it is stored, not held in
+  // a register through the loop: seven 64-bit pointers beside the vector spill on sm_120. A
+  // store clobbers memory, so the derivation is not hoisted either; it is a few integer
+  // instructions from shared memory and the parameter bank per store, off the critical path.
+  // 32-bit vector indices, fewer registers: a message has fewer than 2^32 elements (make_layout
+  // refuses a larger max_numel), so fewer than 2^30 vectors.
+  const int end = static_cast<int>(range.end);
+#pragma unroll 1
+  for (int v = static_cast<int>(range.begin) + thread_index(); v < end;
+       v += static_cast<int>(blockDim.x)) {
+    uint4 x = load_operand<D>(src + v);
+    if constexpr (F == Fanout::kDense) x = dense_words<T>(x);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const plan::BufRef& ref = program.steps[s + j].dst;
+      if constexpr (F == Fanout::kPlain) {
+        store_cg(resolve_slot(p, c, ref) + v, x);  // a copy moves bits; it never rounds
+      } else if constexpr (F == Fanout::kDense) {
+        store_ll_vector(resolve_ll(p, c, ref) + v, x);
+      } else {
+        store_ll_payload(resolve_ll(p, c, ref) + 2 * v, x, c.ll_tag);
+      }
+    }
+  }
+}
+
+template <typename T, plan::Direction D, Fanout F>
+__device__ __forceinline__ void fanout_n(const LaunchParams& p, const Call& c,
+                                         const plan::Program& program, int s, int n,
+                                         plan::VecRange range) {
+  static_assert(kMaxFanout == 7);
+  switch (n) {
+    case 2:
+      return fanout<T, D, F, 2>(p, c, program, s, range);
+    case 3:
+      return fanout<T, D, F, 3>(p, c, program, s, range);
+    case 4:
+      return fanout<T, D, F, 4>(p, c, program, s, range);
+    case 5:
+      return fanout<T, D, F, 5>(p, c, program, s, range);
+    case 6:
+      return fanout<T, D, F, 6>(p, c, program, s, range);
+    default:
+      return fanout<T, D, F, 7>(p, c, program, s, range);
+  }
+}
+
+// n >= 2 steps from s (fanout_length): uniform across the CTA, like every step decision. Push
+// kernels only.
+template <typename T, plan::Direction D>
+__device__ __forceinline__ void run_fanout(const LaunchParams& p, const Call& c,
+                                           const plan::Program& program, int s, int n) {
+  const plan::Step& first = program.steps[s];
+  const plan::VecRange range = plan::slice_range(c.num_vecs, program.num_chunks, first.chunk,
+                                                 static_cast<int>(gridDim.x), c.block);
+  if (first.dst.space != plan::Space::kLL) {
+    fanout_n<T, D, Fanout::kPlain>(p, c, program, s, n, range);
+  } else if (program.ll_format == plan::LLFormat::kDense) {
+    fanout_n<T, D, Fanout::kDense>(p, c, program, s, n, range);
+  } else {
+    fanout_n<T, D, Fanout::kTagged>(p, c, program, s, n, range);
   }
 }
 
@@ -531,10 +647,10 @@ __device__ __forceinline__ void raise_flag(const LaunchParams& p, const Call& c,
 }
 
 // Steps s, s + 1, ... of the same kind as step s: a run the CTA handles in parallel.
-__device__ __forceinline__ int run_length(const plan::Program& program, int s, int num_steps) {
+__device__ __forceinline__ int run_length(const plan::Program& program, int s) {
   const plan::StepKind kind = program.steps[s].kind;
   int end = s + 1;
-  while (end < num_steps && program.steps[end].kind == kind) ++end;
+  while (end < program.num_steps && program.steps[end].kind == kind) ++end;
   return end - s;
 }
 
@@ -544,7 +660,7 @@ __device__ __forceinline__ void finish_call(const LaunchParams& p, const Call& c
   const int stride = static_cast<int>(gridDim.x);
   const int my_blocks = (p.layout.max_blocks - c.block + stride - 1) / stride;
   uint8_t* own = p.counters[c.rank];
-  for (int i = threadIdx.x; i < my_blocks; i += blockDim.x) {
+  for (int i = thread_index(); i < my_blocks; i += blockDim.x) {
     store_volatile_u64(own + p.layout.gen_counter_offset(c.block + i * stride), c.gen);
   }
 }
@@ -563,7 +679,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int num_steps = p.programs[c.rank]->num_steps;
   const int num_words =
       static_cast<int>((offsetof(plan::Program, steps) + num_steps * sizeof(plan::Step)) / 4);
-  for (int i = threadIdx.x; i < num_words; i += blockDim.x) {
+  for (int i = thread_index(); i < num_words; i += blockDim.x) {
     staged_program[i] = load_read_only(program_words + i);
   }
   wait_for_previous_grid();
@@ -575,24 +691,34 @@ __global__ void __launch_bounds__(kMaxThreads)
   c.num_vecs = p.numel * static_cast<int64_t>(sizeof(T)) / plan::kVectorBytes;
   __syncthreads();
   const auto& program = *reinterpret_cast<const plan::Program*>(staged_program);
-  c.num_chunks = program.num_chunks;
 
-  for (int s = 0; s < num_steps; ++s) {
+  // The step count and the chunk count are read from the staged program where they are needed,
+  // not held in registers through the kernel (at its register budget they were spilled).
+  for (int s = 0; s < program.num_steps; ++s) {
     const plan::Step& step = program.steps[s];
     switch (step.kind) {
-      case plan::StepKind::kReduce:
-        run_reduce<T, D>(p, c, program, s);
+      case plan::StepKind::kReduce: {
+        // Pull programs never copy one buffer to several places (writers write their own
+        // slots), so pull kernels carry no fan-out code.
+        const int n = D == plan::Direction::kPush ? fanout_length(program, s) : 1;
+        if (n > 1) {
+          if constexpr (D == plan::Direction::kPush) run_fanout<T, D>(p, c, program, s, n);
+          s += n - 1;
+        } else {
+          run_reduce<T, D>(p, c, program, s);
+        }
         break;
+      }
       case plan::StepKind::kSignal: {
-        const int n = run_length(program, s, num_steps);
+        const int n = run_length(program, s);
         __syncthreads();
-        for (int j = threadIdx.x; j < n; j += blockDim.x) raise_flag(p, c, program.steps[s + j]);
+        for (int j = thread_index(); j < n; j += blockDim.x) raise_flag(p, c, program.steps[s + j]);
         s += n - 1;
         break;
       }
       case plan::StepKind::kWait: {
-        const int n = run_length(program, s, num_steps);
-        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const int n = run_length(program, s);
+        for (int j = thread_index(); j < n; j += blockDim.x) {
           wait_flag(p, c, s + j, program.steps[s + j]);
         }
         __syncthreads();

@@ -4,8 +4,8 @@
 // load_cv, store_cg, load_operand<D>, FlagBits, load_flag_acquire_sys, store_flag_release_sys,
 // load_volatile_u64, store_volatile_u64, load_ll, store_ll, store_ll_vector, store_ll_payload,
 // wait_for_previous_grid, allow_dependent_grids, global_timer_ns, kLLGroup, kLLDenseGroup,
-// opaque_u32, opaque_f32, claim_first, fence_system, trap_kernel, load_read_only, add_rn and
-// VecMath<T>.
+// thread_index, opaque_u32, opaque_f32, claim_first, fence_system, trap_kernel,
+// load_read_only, add_rn and VecMath<T>.
 //
 //   primitives_gpu.cuh  a GPU: PTX loads, stores and fences (nvcc)
 //   cpu/primitives.h    the CPU device: C++ atomics over its execution and memory models (a host

@@ -169,22 +169,33 @@ __device__ __forceinline__ void allow_dependent_grids() {
 //            later operand's load the registers of an earlier operand's data, so that operand's
 //            tag compares move above the load (the look is half serial; sm_100 was clean before
 //            the lamport kernels joined the executor, and is not since);
-//   group 3: clean on sm_120; fp32 spills on sm_86/89; half-serial looks on sm_80/90/100;
-//   group 2: clean on sm_86/89/90/100; on sm_80 two of sixteen fp32 looks still compare early.
-// Larger groups save round trips when a reduce has more operands than one group.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-inline constexpr int kLLGroup = 3;
-#else
+//   group 3: was clean on sm_120 until the fan-out copies joined the executor (issue 23, item
+//            2): since, a long-lived value (the rank, the step count, the thread index: whichever
+//            one is not re-derived) spills 4-8 bytes in the bf16/fp16 or fp32 push kernel;
+//            fp32 spills on sm_86/89; half-serial looks on sm_80/90/100;
+//   group 2: clean on sm_86/89/90/100/120; on sm_80 two of sixteen fp32 looks still compare
+//            early.
+// Larger groups save round trips when a reduce has more operands than one group; lamport, the
+// protocol the seed chooses at decode sizes, keeps its larger group (kLLDenseGroup).
 inline constexpr int kLLGroup = 2;
-#endif
 // The same for Lamport operands (4 registers each, raw, against LL's 8), measured the same way:
-// group 4 is spill-free on sm_100 and sm_120 (on sm_120 group 3, the LL group, spills 4 bytes
-// in the bf16/fp16 kernels); below sm_100 the LL group is kept, not measured further.
+// group 4 is spill-free and parallel on sm_100 and sm_120; below sm_100 the LL group is kept,
+// not measured further.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 inline constexpr int kLLDenseGroup = 4;
 #else
 inline constexpr int kLLDenseGroup = kLLGroup;
 #endif
+
+// This thread's index in its CTA, read from the special register at every use rather than kept
+// in a register across the kernel: it is what every step starts from, so a long-lived copy is
+// the value ptxas spills first when a kernel sits at its register budget (it did on sm_86/89
+// once the fan-out joined the executor), and re-reading it costs one S2R per step.
+__device__ __forceinline__ int thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
 
 // The value itself, as something new each time: the compiler can neither re-derive it from what
 // it was computed from nor hoist what is computed from it out of the loop it is called in. An LL

@@ -146,6 +146,7 @@ inline constexpr int kLLGroup = plan::kMaxSources;
 inline constexpr int kLLDenseGroup = plan::kMaxSources;
 
 // No optimizer to keep from re-deriving it.
+inline int thread_index() { return static_cast<int>(threadIdx.x); }
 inline uint32_t opaque_u32(uint32_t v) { return v; }
 inline float opaque_f32(float v) { return v; }
 
