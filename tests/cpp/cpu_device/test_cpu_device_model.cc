@@ -116,17 +116,23 @@ TEST(CpuDeviceModel, RejectsShapesAGpuCannotLaunch) {
 // ---------------------------------------------------------------- the memory model
 
 // Message passing: CTA 0 writes 16 data words, then the flag; CTA 1 waits for the flag and reads
-// the data. Returns how many of `trials` launches read a stale data word.
+// the data. Returns how many of `trials` launches read a stale data word. The two CTAs overlap
+// for certain (the writer starts once the reader polls, and stays until it has read): a CTA that
+// ends delivers everything it still holds, so a reader whose OS thread started late (as under
+// TSan) would otherwise find every store landed and make the negative controls read 0.
 int stale_reads(MemoryModel memory, bool release_flag, bool barrier_before_flag, int trials) {
   int stale = 0;
   for (int trial = 0; trial < trials; ++trial) {
     std::vector<uint64_t> data(16, 0);
     uint64_t flag = 0;
     std::atomic<int> bad{0};
+    std::atomic<bool> reader_started{false};
+    std::atomic<int> reads_done{0};
     launch(Dim3{2, 1, 1}, Dim3{16, 1, 1}, DeviceOptions{memory, static_cast<uint64_t>(trial) + 1},
            [&] {
              const unsigned i = thread_idx().x;
              if (block_idx().x == 0) {
+               while (!reader_started.load()) poll();
                store_u64(&data[i], 1000 + i);
                if (barrier_before_flag) sync_threads();
                if (i == 0) {
@@ -136,10 +142,13 @@ int stale_reads(MemoryModel memory, bool release_flag, bool barrier_before_flag,
                  } else {
                    store_u64(&flag, 1);
                  }
+                 while (reads_done.load() < 16) poll();
                }
              } else {
+               reader_started.store(true);
                while (load_u64(&flag) == 0) poll();
                if (load_u64(&data[i]) != 1000 + i) bad.fetch_add(1);
+               reads_done.fetch_add(1);
              }
            });
     stale += bad.load() > 0;
