@@ -229,17 +229,10 @@ class Model {
     const Step& step = program[index];
     Timed& t = now_[r];
     const bool ll_dst = step.dst.space == Space::kLL;
-    // The executor's fan-out (fanout_length in executor.cuh): a copy of this rank's own input
-    // or output that follows a copy of the same chunk of it to the same kind of destination.
-    const auto copy_of_own_tensor = [](const Step& s) {
-      return s.kind == StepKind::kReduce && s.num_srcs == 1 && s.num_dsts == 1 &&
-             (s.srcs[0].space == Space::kInput || s.srcs[0].space == Space::kOutput);
-    };
-    const bool reuses_source = e_.multi_destination_copies && index > 0 &&
-                               copy_of_own_tensor(step) && copy_of_own_tensor(program[index - 1]) &&
-                               program[index - 1].chunk == step.chunk &&
-                               program[index - 1].srcs[0].space == step.srcs[0].space &&
-                               program[index - 1].dst.space == step.dst.space;
+    // The executor's fan-out (run_fanout): a copy that joins the run the previous step started
+    // finds its source already in registers.
+    const bool reuses_source =
+        e_.multi_destination_copies && index > 0 && continues_fanout(program[index - 1], step);
     int i = 0;
     while (i < step.num_srcs) {
       const int group = std::max(

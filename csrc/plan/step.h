@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "plan/host_device.h"
 #include "plan/tactic.h"
 
 namespace pcie_ar::plan {
@@ -50,6 +51,23 @@ struct Step {
   BufRef srcs[kMaxSources];
   BufRef dst2;  // kReduce with num_dsts == 2: the second destination, same chunk
 };
+
+// A copy that may share its load with the copies after it: one source, this rank's input or
+// output (never an LL slot: each is read once per write); one destination, a data or LL slot. The
+// CUDA executor runs a run of them as one pass (run_fanout: one load, a store per destination) and
+// the cost model prices them that way.
+PCIE_AR_HD bool is_fanout_copy(const Step& s) {
+  return s.kind == StepKind::kReduce && s.num_srcs == 1 && s.num_dsts == 1 &&
+         (s.srcs[0].space == Space::kInput || s.srcs[0].space == Space::kOutput) &&
+         (s.dst.space == Space::kSlot || s.dst.space == Space::kLL);
+}
+
+// True when `next` joins the run of copies `first` starts: the same chunk of the same tensor,
+// to a slot of the same kind.
+PCIE_AR_HD bool continues_fanout(const Step& first, const Step& next) {
+  return is_fanout_copy(first) && is_fanout_copy(next) && next.chunk == first.chunk &&
+         next.srcs[0].space == first.srcs[0].space && next.dst.space == first.dst.space;
+}
 
 // How a program's LL slots hold data (plan/protocol.h): {payload, tag} words (the ll protocol), or
 // the payload itself with one tagged header per slice (lamport). One format per program.

@@ -95,9 +95,9 @@ MUTANTS = [
            "    for (int j = 0; j < 1; ++j) {\n      const plan::BufRef& ref = program.steps[s + j].dst;",
            "a fan-out loads once and stores to its first destination only: the other peers never "
            "get the data"),
-    Mutant("fanout_ignores_chunk", EXECUTOR,
-           "        next.chunk != first.chunk || next.srcs[0].space != src.space ||",
-           "        next.srcs[0].space != src.space ||",
+    Mutant("fanout_joins_any_copy", EXECUTOR,
+           "         plan::continues_fanout(first, program.steps[end])) {",
+           "         plan::is_fanout_copy(program.steps[end])) {",
            "copies of different chunks run as one fan-out: every destination gets the first "
            "step's chunk"),
     Mutant("fanout_without_headers", EXECUTOR,

@@ -499,26 +499,14 @@ inline constexpr int kMaxFanout = plan::kMaxWorld - 1;
 // How a fan-out's destinations hold data: plain slots (flag), LL words, or lamport words.
 enum class Fanout { kPlain, kTagged, kDense };
 
-// Steps s, s + 1, ... that copy step s's source to slots of the same kind: single-source,
-// single-destination reduces of the same chunk from the same buffer, which is this rank's input
-// or output (never an LL slot: those are read once per write), each into a data slot or each
-// into an LL slot. 1 when step s starts no run.
+// Steps s, s + 1, ... that copy step s's source to slots of the same kind (plan::is_fanout_copy,
+// plan::continues_fanout). 1 when step s starts no run.
 __device__ __forceinline__ int fanout_length(const plan::Program& program, int s) {
   const plan::Step& first = program.steps[s];
-  const plan::BufRef& src = first.srcs[0];
-  if (first.num_srcs != 1 || first.num_dsts != 1 ||
-      (src.space != plan::Space::kInput && src.space != plan::Space::kOutput) ||
-      (first.dst.space != plan::Space::kSlot && first.dst.space != plan::Space::kLL)) {
-    return 1;
-  }
+  if (!plan::is_fanout_copy(first)) return 1;
   int end = s + 1;
-  while (end < program.num_steps && end - s < kMaxFanout) {
-    const plan::Step& next = program.steps[end];
-    if (next.kind != plan::StepKind::kReduce || next.num_srcs != 1 || next.num_dsts != 1 ||
-        next.chunk != first.chunk || next.srcs[0].space != src.space ||
-        next.dst.space != first.dst.space) {
-      break;
-    }
+  while (end < program.num_steps && end - s < kMaxFanout &&
+         plan::continues_fanout(first, program.steps[end])) {
     ++end;
   }
   return end - s;

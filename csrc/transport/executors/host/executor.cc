@@ -32,7 +32,8 @@ static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
 // on the stack: 1 KiB of payload, in L1 while the reduce uses it.
 constexpr int64_t kLLTileVecs = 64;
 constexpr int kWordsPerVec = plan::kVectorBytes / sizeof(uint32_t);  // one LL word per payload word
-constexpr int kHeaderWords = plan::kLLHeaderBytes / sizeof(uint64_t);  // tagged LL words
+static_assert(plan::kLLHeaderBytes == plan::kLLExpansion * plan::kVectorBytes,
+              "a lamport header is one tagged LL payload vector");
 // A reduce with two destinations sums this many vectors (8 KiB: operands and result stay in a
 // 32 KiB L1) into the first, then copies them to the second.
 constexpr int64_t kFusedTileVecs = 512;
@@ -263,23 +264,23 @@ class BlockPass {
         continue;
       }
       uint8_t* into = copy && !ll_dst ? out : decoded[s];
-      await_ll(index, step, src, resolve(src, first), into, count);
+      await_ll(index, step, src, resolve(src, first), into, count, dense_);
       srcs[s] = into;
     }
     if (copy && ll_dst) {
-      store_ll(srcs[0], resolve(step.dst, first), count);
+      store_ll(srcs[0], resolve(step.dst, first), count, dense_);
       return;
     }
     if (!(copy && srcs[0] == out)) combine(out, srcs, step.num_srcs, count, reduce);
-    if (ll_dst) store_ll(out, resolve(step.dst, first), count);
+    if (ll_dst) store_ll(out, resolve(step.dst, first), count, dense_);
   }
 
   // Writes `count` payload vectors as LL words: one 64-bit release store per payload word (a
-  // plain store on x86), so a reader that sees the tag sees the payload beside it. Lamport: the
-  // payload words themselves, none of them kLLEmpty (plan::ll_dense_word).
-  void store_ll(const uint8_t* payload, uint8_t* ll, int64_t count) const {
+  // plain store on x86), so a reader that sees the tag sees the payload beside it. `dense`
+  // (lamport): the payload words themselves, none of them kLLEmpty (plan::ll_dense_word).
+  void store_ll(const uint8_t* payload, uint8_t* ll, int64_t count, bool dense) const {
     const auto* words = reinterpret_cast<const uint32_t*>(payload);
-    if (dense_) {
+    if (dense) {
       auto* out = reinterpret_cast<uint32_t*>(ll);
       for (int64_t i = 0; i < count * kWordsPerVec; ++i) {
         std::atomic_ref<uint32_t>(out[i]).store(plan::ll_dense_word(words[i], elem_bytes_),
@@ -297,12 +298,12 @@ class BlockPass {
   // Waits for `count` payload vectors of LL slot `src` (this rank's memory, at `ll`), copies
   // their payload to `payload`, and leaves every word it read kLLEmpty.
   void await_ll(int index, const Step& step, const BufRef& src, uint8_t* ll, uint8_t* payload,
-                int64_t count) const {
+                int64_t count, bool dense) const {
     auto* out = reinterpret_cast<uint32_t*>(payload);
     // The writer stores the tile in order: wait for its last word first, so this core does not
     // chase the writer's core cache line by cache line. Every word is still checked below.
     const int64_t last = count * kWordsPerVec - 1;
-    if (dense_) {
+    if (dense) {
       auto* words = reinterpret_cast<uint32_t*>(ll);
       if (std::atomic_ref<uint32_t>(words[last]).load(std::memory_order_acquire) ==
           plan::kLLEmpty) {
@@ -333,27 +334,18 @@ class BlockPass {
   }
 
   // Lamport, before a step's data (plan/protocol.h): a step that writes an LL slot stores the
-  // header of its slice, {0, tag, 0, tag}; a step that reads one awaits each operand's header
-  // and resets it, so a peer in another call fails the step here instead of being summed.
+  // header of its slice, a zero payload vector as tagged LL words; a step that reads one awaits
+  // each operand's header and resets it like any tagged LL vector, so a peer in another call
+  // fails the step here instead of being summed.
   void exchange_headers(int index, const Step& step) const {
+    alignas(16) uint8_t header[plan::kVectorBytes] = {};
     if (step.dst.space == Space::kLL) {
-      auto* header = reinterpret_cast<uint64_t*>(header_of(step.dst, step.chunk));
-      for (int i = 0; i < kHeaderWords; ++i) {
-        std::atomic_ref<uint64_t>(header[i]).store(plan::ll_word(0, tag_),
-                                                   std::memory_order_release);
-      }
+      store_ll(header, header_of(step.dst, step.chunk), 1, /*dense=*/false);
     }
-    const uint64_t empty = plan::ll_word(plan::kLLEmpty, plan::kLLEmpty);
     for (int s = 0; s < step.num_srcs; ++s) {
       const BufRef& src = step.srcs[s];
-      if (src.space != Space::kLL) continue;
-      auto* header = reinterpret_cast<uint64_t*>(header_of(src, step.chunk));
-      for (int i = 0; i < kHeaderWords; ++i) {
-        const std::atomic_ref<uint64_t> word(header[i]);
-        if (plan::ll_word_tag(word.load(std::memory_order_acquire)) != tag_) {
-          await_ll_word(index, step, src, word);
-        }
-        word.store(empty, std::memory_order_relaxed);
+      if (src.space == Space::kLL) {
+        await_ll(index, step, src, header_of(src, step.chunk), header, 1, /*dense=*/false);
       }
     }
   }
