@@ -42,6 +42,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--bytes", type=int, default=12288)
     ap.add_argument("--paths", action="store_true", help="print each target's critical path")
+    ap.add_argument("--fused", action="store_true",
+                    help="also each target's best tactic with the fused all-reduce + residual "
+                         "add + RMSNorm epilogue (issue 24), beside it plain")
     args = ap.parse_args()
     print(f"executor today: {_C.executor_model()}")
     print(f"constants: {_C.latency_model()}")
@@ -59,6 +62,16 @@ def main() -> None:
                 f"{by_label[ex][label(t)]['modelled_us']:.2f} "
                 f"({by_label[ex][label(t)]['serial_round_trips']})" for ex, _ in EXECUTORS)
             print(f"| {label(t)} | {cells} |")
+        if args.fused:
+            best = ranked["today"][0]
+            plain = _C.build_schedule(best["algorithm"], len(island_of), island_of,
+                                      best["direction"], best["staged"], best["protocol"])
+            a = plain.cost(args.bytes, transport=transport)
+            b = _C.with_epilogue(plain).cost(args.bytes, transport=transport)
+            print(f"\nfused ({label(best)}): {b['modelled_us']:.2f} µs "
+                  f"({b['serial_round_trips']} rt) against {a['modelled_us']:.2f} µs "
+                  f"({a['serial_round_trips']} rt) plain; added: "
+                  + "; ".join(link for link in b["critical_path"][-3:]))
         if args.paths:
             for ex, over in EXECUTORS:
                 best = ranked[ex][0]

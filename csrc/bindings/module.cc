@@ -114,7 +114,7 @@ py::object optional_reason(comm::Decline d) {
 
 py::dict step_dict(const plan::Step& s) {
   py::dict out;
-  const char* kinds[] = {"reduce", "signal", "wait"};
+  const char* kinds[] = {"reduce", "signal", "wait", "epilogue"};
   out["kind"] = kinds[static_cast<int>(s.kind)];
   out["stage"] = s.stage;
   out["text"] = plan::describe_step(s);
@@ -319,6 +319,9 @@ void bind_schedules(py::module_& m) {
       },
       py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction"),
       py::arg("staged"), py::arg("protocol") = "flag");
+  m.def("with_epilogue", &plan::with_epilogue, py::arg("schedule"),
+        "The fused schedule (plan::with_epilogue): every program plus the all-reduce + residual "
+        "add + RMSNorm epilogue.");
   m.def(
       "why_unsupported",
       [](const std::string& algorithm, int world, const std::vector<int>& island_of,
@@ -513,6 +516,11 @@ void bind_communicator(py::module_& m) {
       .def("retire_token", &comm::Communicator::retire_token)
       .def("supports", [](const comm::Communicator& c,
                           const at::Tensor& t) { return optional_reason(c.supports(t)); })
+      .def("fused_decline_reason",
+           [](comm::Communicator& c, const at::Tensor& x, const at::Tensor& residual,
+              const at::Tensor& weight) {
+             return optional_reason(c.fused_decline_reason(x, residual, weight));
+           })
       .def("decline_reason",
            [](comm::Communicator& c, const at::Tensor& t) {
              return optional_reason(c.decline_reason(t));
@@ -563,6 +571,8 @@ void bind_communicator(py::module_& m) {
         out["declines"] = s.declines;
         out["bytes_sent_per_peer"] = s.bytes_sent_per_peer;
         out["staged"] = s.staged;
+        out["fused_calls"] = s.fused_calls;
+        out["fused_declines"] = s.fused_declines;
         return out;
       });
 

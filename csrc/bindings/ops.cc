@@ -1,6 +1,7 @@
 // The torch ops: torch.ops.pcie_allreduce.all_reduce(inp, handle) -> Tensor, the in-place
 // all_reduce_(inp, handle) -> () and all_reduce_into(inp, handle, out) -> (). All three are one
 // operation, Communicator::all_reduce(inp, out), with the output allocated, aliased or given.
+// The fused all_reduce_add_rms_norm has the same three forms.
 // One implementation serves CPU and CUDA tensors: the communicator behind `handle` picks its
 // transport, and anything it declines goes to the group's own all-reduce. Fake (meta)
 // implementations are registered from Python so torch.compile can trace the ops.
@@ -26,24 +27,61 @@ void all_reduce_into(const at::Tensor& inp, int64_t handle, at::Tensor& out) {
   comm::lookup_communicator(handle)->all_reduce(inp, out);
 }
 
+// The fused end of a decoder layer (Communicator::all_reduce_add_rms_norm): returns
+// (y, residual_out) in new tensors; in place (y into x, residual_out into residual, as the
+// engines' fused_add_rms_norm does); or into two given, disjoint tensors.
+std::tuple<at::Tensor, at::Tensor> all_reduce_add_rms_norm(const at::Tensor& x,
+                                                           const at::Tensor& residual,
+                                                           const at::Tensor& weight, double eps,
+                                                           int64_t handle) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor residual_out = at::empty(residual.sizes(), residual.options());
+  comm::lookup_communicator(handle)->all_reduce_add_rms_norm(x, residual, weight, eps, out,
+                                                             residual_out);
+  return {out, residual_out};
+}
+
+void all_reduce_add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                              double eps, int64_t handle) {
+  comm::lookup_communicator(handle)->all_reduce_add_rms_norm(x, residual, weight, eps, x, residual);
+}
+
+void all_reduce_add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual,
+                                  const at::Tensor& weight, double eps, int64_t handle,
+                                  at::Tensor& out, at::Tensor& residual_out) {
+  comm::lookup_communicator(handle)->all_reduce_add_rms_norm(x, residual, weight, eps, out,
+                                                             residual_out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pcie_allreduce, m) {
   m.def("all_reduce(Tensor inp, int handle) -> Tensor");
   m.def("all_reduce_(Tensor(a!) inp, int handle) -> ()");
   m.def("all_reduce_into(Tensor inp, int handle, Tensor(a!) out) -> ()");
+  m.def(
+      "all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int handle) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "all_reduce_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, "
+      "int handle) -> ()");
+  m.def(
+      "all_reduce_add_rms_norm_into(Tensor x, Tensor residual, Tensor weight, float eps, "
+      "int handle, Tensor(a!) out, Tensor(b!) residual_out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pcie_allreduce, CPU, m) {
-  m.impl("all_reduce", &all_reduce);
-  m.impl("all_reduce_", &all_reduce_);
-  m.impl("all_reduce_into", &all_reduce_into);
-}
+#define PCIE_AR_IMPLS(m)                                         \
+  m.impl("all_reduce", &all_reduce);                             \
+  m.impl("all_reduce_", &all_reduce_);                           \
+  m.impl("all_reduce_into", &all_reduce_into);                   \
+  m.impl("all_reduce_add_rms_norm", &all_reduce_add_rms_norm);   \
+  m.impl("all_reduce_add_rms_norm_", &all_reduce_add_rms_norm_); \
+  m.impl("all_reduce_add_rms_norm_into", &all_reduce_add_rms_norm_into)
 
-TORCH_LIBRARY_IMPL(pcie_allreduce, CUDA, m) {
-  m.impl("all_reduce", &all_reduce);
-  m.impl("all_reduce_", &all_reduce_);
-  m.impl("all_reduce_into", &all_reduce_into);
-}
+TORCH_LIBRARY_IMPL(pcie_allreduce, CPU, m) { PCIE_AR_IMPLS(m); }
+
+TORCH_LIBRARY_IMPL(pcie_allreduce, CUDA, m) { PCIE_AR_IMPLS(m); }
+
+#undef PCIE_AR_IMPLS
 
 }  // namespace pcie_ar::bindings

@@ -227,10 +227,11 @@ std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& 
   return workspace_->why_not(t);
 }
 
-Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& tactic) {
+Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& tactic,
+                                                          bool epilogue) {
   const auto key =
       std::make_tuple(static_cast<int>(tactic.algorithm), static_cast<int>(tactic.direction),
-                      tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol));
+                      tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol), epilogue ? 1 : 0);
   auto it = programs_.find(key);
   if (it != programs_.end()) return *it->second;
   plan::Schedule schedule =
@@ -240,6 +241,7 @@ Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& ta
   if (workspace_->runs_multi_destination_steps()) {
     schedule = plan::fuse_forwarding_copies(std::move(schedule));
   }
+  if (epilogue) schedule = plan::with_epilogue(std::move(schedule));
   const plan::Verification v = plan::verify(schedule);
   if (!v.ok) {  // the builders are proven in CI; refuse rather than run something unproven
     throw std::logic_error("schedule " + plan::tactic_label(tactic) +
@@ -403,6 +405,179 @@ void Communicator::all_reduce(const at::Tensor& inp, at::Tensor& out) {
   reduce_into(inp, out);
 }
 
+// ------------------------------------------------------------------ the fused call
+
+namespace {
+// Bad arguments of all_reduce_add_rms_norm: raised before any communication, on the rank that
+// passed them.
+void check_fused_args(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                      const at::Tensor& out, const at::Tensor& residual_out) {
+  if (x.dim() < 1) {
+    throw std::invalid_argument(
+        "all_reduce_add_rms_norm needs x of at least one dimension (rows "
+        "of hidden); got a " +
+        describe(x));
+  }
+  const int64_t hidden = x.size(-1);
+  auto like = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.scalar_type() == b.scalar_type() && a.sizes().equals(b.sizes()) &&
+           a.device() == b.device();
+  };
+  if (!like(residual, x)) {
+    throw std::invalid_argument("residual must have x's dtype, shape and device: x is a " +
+                                describe(x) + ", residual a " + describe(residual));
+  }
+  if (weight.dim() != 1 || weight.size(0) != hidden || weight.device() != x.device()) {
+    throw std::invalid_argument("weight must be [hidden] = [" + std::to_string(hidden) +
+                                "] on x's device: x is a " + describe(x) + ", weight a " +
+                                describe(weight));
+  }
+  if (!like(out, x) || !like(residual_out, x)) {
+    throw std::invalid_argument(
+        "out and residual_out must have x's dtype, shape and device: x is "
+        "a " +
+        describe(x) + ", out a " + describe(out) + ", residual_out a " + describe(residual_out));
+  }
+  auto apart = [](const at::Tensor& a, const at::Tensor& b) { return !may_overlap(a, b); };
+  if (!(out.is_same(x) || apart(out, x)) ||
+      !(residual_out.is_same(residual) || apart(residual_out, residual)) || !apart(out, residual) ||
+      !apart(out, residual_out) || !apart(residual_out, x)) {
+    throw std::invalid_argument(
+        "all_reduce_add_rms_norm writes out and residual_out: out may be x and residual_out may "
+        "be residual (in place), but they may not overlap each other or any other operand");
+  }
+  check_writable(out, out.is_same(x));
+  check_writable(residual_out, residual_out.is_same(residual));
+  for (const at::Tensor* t : {&out, &residual_out}) {
+    if (at::has_internal_overlap(*t) == at::MemOverlap::Yes) {
+      throw std::invalid_argument(
+          "unsupported operation: more than one element of the written-to tensor refers to a "
+          "single memory location (an expanded or overlapping view); clone() it first");
+    }
+  }
+}
+}  // namespace
+
+Decline Communicator::fused_admission(const at::Tensor& x, const at::Tensor& weight) const {
+  const Decline d = supports(x);
+  if (d != Decline::kNone) return d;
+  if (weight.scalar_type() != x.scalar_type()) return Decline::kDtype;
+  const int64_t hidden = x.size(-1);
+  if (hidden > plan::kMaxEpilogueHidden ||
+      (hidden * plan::dtype_bytes(*to_plan_dtype(x.scalar_type()))) % plan::kVectorBytes != 0) {
+    return Decline::kHidden;
+  }
+  return Decline::kNone;
+}
+
+Decline Communicator::fused_decline_reason(const at::Tensor& x, const at::Tensor& residual,
+                                           const at::Tensor& weight) {
+  (void)residual;  // its shape and dtype are x's, or the call raises
+  if (x.dim() < 1) return Decline::kEmpty;
+  const Decline d = fused_admission(x, weight);
+  if (d != Decline::kNone) return d;
+  const auto dtype = *to_plan_dtype(x.scalar_type());
+  return decide(dtype, x.numel() * plan::dtype_bytes(dtype)).fallback ? Decline::kTable
+                                                                      : Decline::kNone;
+}
+
+namespace {
+// The mean of squares of each row of `rf` (fp32, [..., hidden]) in plan/epilogue.h's order, as
+// elementwise ATen ops (each one IEEE operation per element, on the CPU and the GPU alike; the
+// divisor is a tensor, because ATen's CUDA division by a scalar multiplies by its reciprocal).
+at::Tensor mean_of_squares_in_order(const at::Tensor& rf) {
+  constexpr int64_t kQ = plan::kNormPartials;
+  const int64_t hidden = rf.size(-1);
+  const at::Tensor sq = rf.mul(rf);
+  at::Tensor part = at::zeros_like(sq.narrow(-1, 0, std::min(hidden, kQ)));
+  part = at::constant_pad_nd(part, {0, kQ - part.size(-1)});
+  for (int64_t base = 0; base < hidden; base += kQ) {
+    const int64_t n = std::min(kQ, hidden - base);
+    part.narrow(-1, 0, n).add_(sq.narrow(-1, base, n));
+  }
+  for (int64_t h = kQ / 2; h >= 1; h /= 2) {
+    part = part.narrow(-1, 0, h).add(part.narrow(-1, h, h));
+  }
+  return part.div(at::full_like(part, static_cast<double>(hidden)));
+}
+}  // namespace
+
+// The declined fused call: the all-reduce as this communicator does it (kernels or the group's),
+// then plan/epilogue.h's add and norm, operation for operation, in ATen. Given the same sum it
+// is the fused kernels' result bit for bit (NaN payloads aside), so a row does not change when
+// a batch that holds it is declined.
+void Communicator::run_unfused(const at::Tensor& x, const at::Tensor& residual,
+                               const at::Tensor& weight, double eps, at::Tensor& out,
+                               at::Tensor& residual_out) {
+  reduce_into(x, out);
+  const at::ScalarType dtype = x.scalar_type();
+  const at::Tensor r = out.to(at::kFloat).add(residual.to(at::kFloat)).to(dtype);
+  const at::Tensor rf = r.to(at::kFloat);
+  const at::Tensor mean = mean_of_squares_in_order(rf);
+  // The square root in fp64, rounded to fp32: exactly the IEEE fp32 square root (53 >= 2 * 24 + 2
+  // bits, so the double rounding is exact), where ATen's vectorised fp32 sqrt on the CPU (Sleef)
+  // is not correctly rounded for about a fifth of its inputs.
+  const at::Tensor root =
+      at::sqrt(mean.add(static_cast<float>(eps)).to(at::kDouble)).to(at::kFloat);
+  const at::Tensor rstd = at::reciprocal(root);
+  const at::Tensor y = rf.mul(rstd).mul(weight.to(at::kFloat)).to(dtype);
+  residual_out.copy_(r);
+  out.copy_(y);
+}
+
+void Communicator::all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                           const at::Tensor& weight, double eps, at::Tensor& out,
+                                           at::Tensor& residual_out) {
+  const CallGuard guard(*this, busy_);
+  raise_if_failed();
+  check_call(x, out);
+  check_fused_args(x, residual, weight, out, residual_out);
+  Decline decline = fused_admission(x, weight);
+  Decision* decision = nullptr;
+  plan::DType dtype{};
+  if (decline == Decline::kNone) {
+    dtype = *to_plan_dtype(x.scalar_type());
+    decision = &decide(dtype, x.numel() * plan::dtype_bytes(dtype));
+    if (decision->fallback) decline = Decline::kTable;
+  }
+  if (decline != Decline::kNone) {
+    ++fused_declines_[std::string(decline_name(decline))];
+    ++fused_calls_["unfused"];
+    run_unfused(x, residual, weight, eps, out, residual_out);
+    return;
+  }
+  if (decision->fused_program == nullptr) {
+    decision->fused_program = &program_for(decision->tactic, /*epilogue=*/true);
+  }
+  // Staged like all_reduce's tensors: a tensor's own layout never changes the path.
+  auto ready = [](const at::Tensor& t) {
+    return executor_ready(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+  };
+  const at::Tensor src = ready(x);
+  const at::Tensor res = ready(residual);
+  const at::Tensor w = ready(weight);
+  at::Tensor dst = out.is_same(x) ? src : executor_ready(out) ? out : at::empty_like(src);
+  at::Tensor res_dst = residual_out.is_same(residual) ? res
+                       : executor_ready(residual_out) ? residual_out
+                                                      : at::empty_like(res);
+  if (!src.is_same(x) || !dst.is_same(out) || !res.is_same(residual) ||
+      !res_dst.is_same(residual_out) || !w.is_same(weight)) {
+    ++staged_;
+  }
+  plan::EpilogueArgs epilogue;
+  epilogue.residual = res.data_ptr();
+  epilogue.residual_out = res_dst.data_ptr();
+  epilogue.weight = w.data_ptr();
+  epilogue.hidden = x.size(-1);
+  epilogue.eps = static_cast<float>(eps);
+  Decision fused = *decision;
+  fused.program = decision->fused_program;
+  run_kernels(fused, dtype, src, dst, &epilogue);
+  ++fused_calls_[plan::tactic_label(decision->tactic)];
+  if (!dst.is_same(out)) out.copy_(dst);
+  if (!res_dst.is_same(residual_out)) residual_out.copy_(res_dst);
+}
+
 int Communicator::prepare() {
   const CallGuard guard(*this, busy_);
   if (!enabled()) return static_cast<int>(programs_.size());
@@ -418,7 +593,13 @@ int Communicator::prepare() {
       // Admitted sizes are whole 16-byte vectors, from one vector up to the workspace.
       bytes = std::min(top, std::max<int64_t>(plan::kVectorBytes, bytes));
       bytes -= bytes % plan::kVectorBytes;
-      if (bytes >= plan::kVectorBytes) decide(dtype, bytes);
+      if (bytes >= plan::kVectorBytes) {
+        // The fused call's program too: a capture may hold either, and installs nothing.
+        Decision& d = decide(dtype, bytes);
+        if (!d.fallback && d.fused_program == nullptr) {
+          d.fused_program = &program_for(d.tactic, /*epilogue=*/true);
+        }
+      }
     }
   }
   return static_cast<int>(programs_.size());
@@ -470,7 +651,7 @@ void Communicator::reduce_into(const at::Tensor& inp, at::Tensor& out) {
 }
 
 void Communicator::run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
-                               at::Tensor& out) {
+                               at::Tensor& out, const plan::EpilogueArgs* epilogue) {
   transport::Call call;
   call.program = decision.program->id;
   call.dtype = dtype;
@@ -481,6 +662,7 @@ void Communicator::run_kernels(const Decision& decision, plan::DType dtype, cons
   call.numel = inp.numel();
   call.signature = decision.signature;
   call.stream = current_stream(workspace_->device());
+  if (epilogue != nullptr) call.epilogue = *epilogue;
   try {
     workspace_->run(call);
   } catch (const transport::TransportFailure& e) {
@@ -571,6 +753,8 @@ Stats Communicator::stats() const {
   }
   s.bytes_sent_per_peer = bytes_sent_;
   s.staged = staged_;
+  s.fused_calls = fused_calls_;
+  s.fused_declines = fused_declines_;
   return s;
 }
 

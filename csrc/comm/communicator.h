@@ -27,6 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/names.h"
 #include "plan/protocol.h"
@@ -59,6 +60,9 @@ enum class Decline : uint8_t {
   kTable = 11,       // the tuning table chose the fallback for this size
   kMisaligned = 12,  // no longer used: misaligned tensors are staged like strided ones
   kMultiHost = 13,   // the group spans hosts (hostname or boot id differ): no shared memory
+  // The fused call only (all_reduce_add_rms_norm): a row (the last dimension) that is not whole
+  // 16-byte vectors or is longer than plan::kMaxEpilogueHidden.
+  kHidden = 14,
 };
 inline constexpr auto kDeclineNames = plan::name_table<Decline>(
     "decline reason", {{Decline::kNone, "none"},
@@ -74,7 +78,8 @@ inline constexpr auto kDeclineNames = plan::name_table<Decline>(
                        {Decline::kNoP2P, "no_p2p"},
                        {Decline::kTable, "table"},
                        {Decline::kMisaligned, "misaligned"},
-                       {Decline::kMultiHost, "multi_host"}});
+                       {Decline::kMultiHost, "multi_host"},
+                       {Decline::kHidden, "hidden"}});
 // "unknown" for a value outside the enum.
 inline std::string_view decline_name(Decline decline) {
   return kDeclineNames.name_of(decline, "unknown");
@@ -111,6 +116,9 @@ struct Stats {
   std::map<std::string, int64_t> declines;  // decline name -> count
   std::vector<int64_t> bytes_sent_per_peer;
   int64_t staged = 0;  // calls whose input or out went through a contiguous copy
+  // all_reduce_add_rms_norm: tactic label (or "unfused") -> count, and why calls went unfused.
+  std::map<std::string, int64_t> fused_calls;
+  std::map<std::string, int64_t> fused_declines;
 };
 
 class Communicator {
@@ -149,6 +157,24 @@ class Communicator {
   // The same into a new contiguous tensor. A failure recorded by an earlier (asynchronous)
   // call is raised before anything is allocated on a device that may have died with it.
   at::Tensor all_reduce(const at::Tensor& inp);
+
+  // The end of a decoder layer, fused (plan/epilogue.h): residual_out = sum over ranks of x +
+  // residual, out = rms_norm(residual_out) * weight, each row of x.size(-1) elements. residual
+  // has x's shape and dtype, weight is [hidden] in x's dtype (another dtype declines), out is
+  // shaped like x and residual_out like residual; out may be x and residual_out may be residual
+  // (in place), no other overlap. Admitted and chosen by the table for x's numel and dtype: one
+  // kernel call, the all-reduce's tactic with the epilogue. Otherwise the unfused path: this
+  // communicator's all_reduce (kernels or the group's), then the add and the norm in ATen with
+  // the same rounding points. Bad arguments raise std::invalid_argument before any
+  // communication.
+  void all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                               const at::Tensor& weight, double eps, at::Tensor& out,
+                               at::Tensor& residual_out);
+  // Why the fused kernels would not run this call (supports() of x, then the weight's dtype,
+  // kHidden, then the table), or kNone. Never throws; a depends only on what every rank agrees
+  // on (shape, dtype, the table), like decline_reason().
+  Decline fused_decline_reason(const at::Tensor& x, const at::Tensor& residual,
+                               const at::Tensor& weight);
 
   // P2P write-and-verify (CUDA only; the host transport has nothing to probe). Collective:
   // probe_write() on every rank, a barrier, then probe_read() returns the ranks whose writes
@@ -200,18 +226,22 @@ class Communicator {
     bool fallback = true;
     plan::Tactic tactic;
     InstalledProgram* program = nullptr;
+    InstalledProgram* fused_program = nullptr;  // the same schedule with the epilogue, once used
     uint32_t signature = 0;
     int64_t* calls = nullptr;  // counter for this tactic
   };
 
   Decision& decide(plan::DType dtype, int64_t bytes);
-  InstalledProgram& program_for(const plan::Tactic& tactic);
+  InstalledProgram& program_for(const plan::Tactic& tactic, bool epilogue = false);
+  Decline fused_admission(const at::Tensor& x, const at::Tensor& weight) const;
+  void run_unfused(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                   double eps, at::Tensor& out, at::Tensor& residual_out);
   class CallGuard;
   void check_process() const;  // throws in a forked child
   void check_call(const at::Tensor& inp, const at::Tensor& out) const;
   void reduce_into(const at::Tensor& inp, at::Tensor& out);
   void run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
-                   at::Tensor& out);
+                   at::Tensor& out, const plan::EpilogueArgs* epilogue = nullptr);
   std::optional<std::string> why_not_runnable(const plan::TableRow& row, int64_t bytes) const;
   void run_fallback(const at::Tensor& inp, at::Tensor& out);
   // The generation a fallback call takes (plan::skip_program) on a connected workspace.
@@ -225,9 +255,11 @@ class Communicator {
   Options options_;
   plan::TuningTable table_;
   std::unique_ptr<transport::Workspace> workspace_;
-  std::map<std::tuple<int, int, int, int>, std::unique_ptr<InstalledProgram>> programs_;
+  std::map<std::tuple<int, int, int, int, int>, std::unique_ptr<InstalledProgram>> programs_;
   std::unordered_map<uint64_t, Decision> decisions_;
   std::map<std::string, int64_t> calls_;
+  std::map<std::string, int64_t> fused_calls_;
+  std::map<std::string, int64_t> fused_declines_;
   std::array<int64_t, 16> declines_{};
   std::array<bool, 16> decline_logged_{};
   std::vector<int64_t> bytes_sent_;

@@ -219,7 +219,20 @@ class Model {
         return signal(r, program, begin, end, where);
       case StepKind::kWait:
         return wait(r, program, begin, end, where);
+      case StepKind::kEpilogue:
+        return epilogue(r, where);
     }
+  }
+
+  // The fused epilogue: the rank's CTAs meet on flags in its own memory (one local poll), then
+  // each row is read (output, residual, weight: loaded together), summed into its partials and
+  // reduced in shared memory, and read again to be normalised (the CTA's own stores). No fabric:
+  // every operand is the rank's own.
+  void epilogue(int r, const std::string& where) {
+    Timed& t = now_[r];
+    t.add(l_.local_load_us, where + ": the rank's CTAs meet (local poll)");
+    t.add(l_.local_load_us, where + ": epilogue, rows loaded (local load)");
+    t.add(l_.local_load_us, where + ": epilogue, rows normalised (local load)");
   }
 
   // Operands are loaded in waves: a wave issues every load at once; it is one group of

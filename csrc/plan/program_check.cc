@@ -147,6 +147,16 @@ ProgramFacts check_program(const Program& program, const Layout& layout, int ran
       case StepKind::kWait:
         check_flag_step(at, step, layout, rank);
         break;
+      case StepKind::kEpilogue:
+        if (s + 1 != program.num_steps) {
+          throw std::invalid_argument(at + "the epilogue must be the program's last step");
+        }
+        if (step.peer != rank || step.flag_owner != rank) {
+          throw std::invalid_argument(at + "the epilogue's CTAs meet in rank " + str(rank) +
+                                      "'s own memory; peer and flag owner must be " + str(rank));
+        }
+        facts.has_epilogue = true;
+        break;
       default:
         throw std::invalid_argument(at + "unknown step kind " + str(static_cast<int>(step.kind)));
     }

@@ -16,6 +16,7 @@ struct ProgramFacts {
   bool loads_peer_slots = false;   // some kReduce reads a peer's slot (pull programs only)
   bool stores_peer_slots = false;  // some kReduce writes a peer's slot (push programs)
   bool uses_ll = false;            // some kReduce reads or writes an LL slot
+  bool has_epilogue = false;       // the program ends with the fused epilogue
 };
 
 // Checks `program` as rank `rank`'s program on a workspace of `layout`. Throws
@@ -28,6 +29,7 @@ struct ProgramFacts {
 //     writer;
 //   - kSignal/kWait: peer, flag owner and flag inside the layout, and the flag lives with
 //     `rank` or with the step's peer;
+//   - kEpilogue: only as the last step (the executors run it once every slice is done);
 //   - a push program never reads a peer's slot (push kernels read only local memory), and a
 //     pull program has no LL operand (LL is push-only).
 ProgramFacts check_program(const Program& program, const Layout& layout, int rank);

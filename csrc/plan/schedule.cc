@@ -580,6 +580,21 @@ bool can_fuse(const std::vector<Step>& program, size_t r, size_t c, bool staged)
 }
 }  // namespace
 
+Schedule with_epilogue(Schedule schedule) {
+  if (schedule.epilogue) throw std::invalid_argument("the schedule already ends with an epilogue");
+  for (int r = 0; r < schedule.world; ++r) {
+    // Whom a timeout of its barrier names: the rank itself (its CTAs meet on its own counters).
+    Step step;
+    step.kind = StepKind::kEpilogue;
+    step.stage = static_cast<uint8_t>(std::max(schedule.num_stages - 1, 0));
+    step.peer = static_cast<uint8_t>(r);
+    step.flag_owner = static_cast<uint8_t>(r);
+    schedule.programs[r].push_back(step);
+  }
+  schedule.epilogue = true;
+  return schedule;
+}
+
 Schedule fuse_forwarding_copies(Schedule schedule) {
   for (auto& program : schedule.programs) {
     for (size_t r = 0; r < program.size(); ++r) {
@@ -619,6 +634,8 @@ std::string describe_step(const Step& step) {
     case StepKind::kWait:
       return text + "wait r" + std::to_string(step.flag_owner) + ".flag" +
              std::to_string(step.flag) + " from r" + std::to_string(step.peer);
+    case StepKind::kEpilogue:
+      return text + "output = rms_norm(output + residual) * weight";
   }
   return text;
 }

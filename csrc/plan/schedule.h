@@ -32,6 +32,9 @@ struct Schedule {
   // equal islands; flat algorithms use the map only to count cross-island traffic.
   std::vector<int> island_of;
   std::vector<std::vector<Step>> programs;  // programs[rank]
+  // Every program ends with the fused epilogue (with_epilogue): the verifier proves each rank's
+  // output whole before it.
+  bool epilogue = false;
 };
 
 // Why `algorithm` cannot be built for this world and island map, or nullopt when it can.
@@ -61,6 +64,12 @@ Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, i
 // back. Two-shot's all-gather sends (push) and the pull ranks' copy of their published chunk
 // fuse this way. LL steps never fuse. The result must be verified like any schedule.
 Schedule fuse_forwarding_copies(Schedule schedule);
+
+// The schedule of the fused call (plan/epilogue.h): every rank's program, unchanged, followed by
+// one StepKind::kEpilogue step. The epilogue reads and writes only the rank's own tensors, so it
+// adds no transfer, flag or wait between ranks; the verifier proves every chunk of the rank's
+// output holds the sum before it. Throws std::invalid_argument for a schedule that has one.
+Schedule with_epilogue(Schedule schedule);
 
 // The POD a transport executes for `rank`. Throws std::length_error if the program does not
 // fit (it always does for schedules the builders emit).

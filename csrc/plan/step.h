@@ -35,6 +35,12 @@ enum class StepKind : uint8_t {
                 // sources are awaited per vector, an LL destination is written tagged
   kSignal = 1,  // release-store this generation into flag `flag` of rank `flag_owner`
   kWait = 2,    // acquire-wait until flag `flag` of rank `flag_owner` reaches this generation
+  // The fused epilogue (plan/epilogue.h), a program's last step: once every chunk of this rank's
+  // output holds the sum (all of the rank's CTAs have passed it: a barrier on its own memory),
+  // each row becomes residual_out = sum + residual and output = rms_norm(residual_out) * weight.
+  // Reads and writes only this rank's own tensors; no peer sees it. peer and flag_owner are the
+  // rank (its CTAs meet on its own generation counters, not on a flag).
+  kEpilogue = 3,
 };
 
 struct Step {

@@ -98,6 +98,7 @@ class Simulation {
     clocks_.assign(s.world, Clock(s.world, 0));
     heard_.assign(s.world, Clock(s.world, 0));
     hops_.assign(s.world, 0);
+    epilogues_.assign(s.world, 0);
     for (int r = 0; r < s.world; ++r) {
       for (int c = 0; c < s.num_chunks; ++c) {
         regions_[key(r, BufRef{Space::kInput, static_cast<uint8_t>(r), 0, 0}, c)].expr = r;
@@ -134,6 +135,7 @@ class Simulation {
       }
     }
     check_outputs();
+    check_epilogues();
     check_everyone_heard_from_everyone();
     check_ll_consumed();
   }
@@ -300,6 +302,42 @@ class Simulation {
         return execute_signal(r, index, step);
       case StepKind::kWait:
         return execute_wait(r, index, step);
+      case StepKind::kEpilogue:
+        return execute_epilogue(r, index, step);
+    }
+  }
+
+  // The fused epilogue normalises whole rows, and a row may span every chunk: it must be the
+  // rank's last step (nothing may change the output after it), appear only in a schedule that
+  // says it has one, and find every chunk of the rank's output holding the sum already. Only
+  // the rank itself writes its output, so its program order is the whole proof; the executors
+  // keep that order across their slices (the CUDA executor's CTAs meet at a barrier first).
+  void execute_epilogue(int r, int index, const Step& step) {
+    if (!s_.epilogue) {
+      error(where(r, index, step) + ": an epilogue in a schedule without one");
+      return;
+    }
+    if (index + 1 != static_cast<int>(s_.programs[r].size())) {
+      error(where(r, index, step) + ": the epilogue must be the rank's last step");
+      return;
+    }
+    if (step.peer != r || step.flag_owner != r) {
+      error(where(r, index, step) + ": the epilogue's CTAs meet in rank " + std::to_string(r) +
+            "'s own memory, not another rank's");
+    }
+    ++epilogues_[r];
+    for (int c = 0; c < s_.num_chunks; ++c) {
+      auto it = regions_.find(key(r, BufRef{Space::kOutput, static_cast<uint8_t>(r), 0, 0}, c));
+      const bool written = it != regions_.end() && it->second.writer == r;
+      std::vector<int> counts(s_.world, 0);
+      if (written) exprs_.count_leaves(it->second.expr, counts);
+      const bool whole =
+          written && std::all_of(counts.begin(), counts.end(), [](int n) { return n == 1; });
+      if (!whole) {
+        error(where(r, index, step) + ": output chunk " + std::to_string(c) + " is " +
+              (written ? exprs_.text(it->second.expr) : std::string("not written")) +
+              " when the epilogue reads it; every rank's input must be summed into it first");
+      }
     }
   }
 
@@ -415,6 +453,16 @@ class Simulation {
     }
   }
 
+  void check_epilogues() {
+    if (!s_.epilogue) return;
+    for (int r = 0; r < s_.world; ++r) {
+      if (epilogues_[r] != 1) {
+        error("rank " + std::to_string(r) + " runs the epilogue " + std::to_string(epilogues_[r]) +
+              " times; a fused schedule runs it exactly once, as each rank's last step");
+      }
+    }
+  }
+
   // The generation double buffer is safe only if no rank can finish a call before every other
   // rank has started it (and so finished the previous one).
   void check_everyone_heard_from_everyone() {
@@ -447,10 +495,11 @@ class Simulation {
     }
   }
 
-  std::vector<Clock> clocks_;  // visibility: joined only through flags (release/acquire)
-  std::vector<Clock> heard_;   // progress: joined through flags and LL reads
-  std::vector<int> hops_;      // fabric hops on each rank's critical path
-  int step_hops_ = 0;          // the reduce being executed: when its last operand is in
+  std::vector<Clock> clocks_;   // visibility: joined only through flags (release/acquire)
+  std::vector<Clock> heard_;    // progress: joined through flags and LL reads
+  std::vector<int> hops_;       // fabric hops on each rank's critical path
+  std::vector<int> epilogues_;  // epilogue steps each rank ran
+  int step_hops_ = 0;           // the reduce being executed: when its last operand is in
   std::map<RegionKey, Region> regions_;
   std::map<std::pair<int, int>, Flag> flags_;
 };
@@ -469,6 +518,7 @@ void add_cost(const std::vector<Step>& program, int r, Cost& worst) {
         ++c.local_waits;
       }
     }
+    if (step.kind == StepKind::kEpilogue) ++c.local_waits;  // the rank's CTAs meet locally
     if (step.kind == StepKind::kReduce) {
       for (int i = 0; i < step.num_srcs && i < kMaxSources; ++i) {
         if (step.srcs[i].space != Space::kLL) continue;

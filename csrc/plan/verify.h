@@ -14,6 +14,8 @@
 //    write would leave valid tags behind), and each is written at most once per call. An LL
 //    read orders only that data: it does not make the writer's other writes visible (no
 //    fence), so it proves progress (the writer has started the call) but not visibility.
+//  - a fused schedule (Schedule::epilogue) ends every rank's program with exactly one epilogue
+//    step, and each rank's output holds the whole sum, every chunk, before it runs.
 // It also counts the elements that cross between islands, and what each rank pays in
 // synchronisation (Cost).
 #pragma once

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
@@ -64,6 +65,9 @@ struct Call {
   int64_t numel = 0;
   uint32_t signature = 0;  // plan::call_signature(dtype, tactic): travels with every flag
   void* stream = nullptr;  // cudaStream_t on GPU transports; unused on the host
+  // A program that ends with the fused epilogue (plan::with_epilogue) reads these: numel is a
+  // whole number of rows of epilogue.hidden, 16-byte multiples, every pointer 16-byte aligned.
+  plan::EpilogueArgs epilogue;
 };
 
 class Workspace {

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--table", help="tuning table CSV file (default: PCIE_ALLREDUCE_TABLE/seed)")
     b.add_argument("--graph", action="store_true", help="time under CUDA-graph replay (GPUs)")
     b.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    b.add_argument("--fused", action="store_true",
+                   help="the fused all-reduce + residual add + RMSNorm, in rows of --hidden, "
+                        "beside our all-reduce alone, the unfused path (ours + torch add and "
+                        "rms_norm) and the fallback's")
+    b.add_argument("--hidden", type=int, default=4096, help="--fused: elements per row")
     b.set_defaults(func=_command("bench"))
 
     u = sub.add_parser("tune", help="measure this host once and write its tuning cache")

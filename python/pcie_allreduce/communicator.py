@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,9 @@ class PcieAllReduce:
         self._op_out_of_place = ops.all_reduce.default
         self._op_in_place = ops.all_reduce_.default
         self._op_into = ops.all_reduce_into.default
+        self._op_fused = ops.all_reduce_add_rms_norm.default
+        self._op_fused_in_place = ops.all_reduce_add_rms_norm_.default
+        self._op_fused_into = ops.all_reduce_add_rms_norm_into.default
         self._destroyed = False
         self._captures = 0
         if self.rank == 0:
@@ -251,6 +254,56 @@ class PcieAllReduce:
         GIL, like every torch op)."""
         self._op_in_place(t, self.handle)
         return t
+
+    # ------------------------------------------------------------------ the fused call
+    def fused_decline_reason(self, x: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor) -> Optional[str]:
+        """None when the fused kernels would run ``all_reduce_add_rms_norm(x, residual,
+        weight)``; else the reason code (``stats()["fused_declines"]``). A declined call still
+        returns the same result, through the unfused path."""
+        return self._comm.fused_decline_reason(x, residual, weight)
+
+    def should_use_fused(self, x: torch.Tensor, residual: torch.Tensor,
+                         weight: torch.Tensor) -> bool:
+        return self.fused_decline_reason(x, residual, weight) is None
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+        out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The end of a decoder layer, fused: ``residual_out = sum_ranks(x) + residual`` and
+        ``y = rms_norm(residual_out) * weight``; returns ``(y, residual_out)``.
+
+        ``x`` is ``[rows, hidden]`` (any leading shape; the last dimension is the row),
+        ``residual`` has its shape and dtype, ``weight`` is ``[hidden]`` of the same dtype.
+        Numerics (docs/design.md "The fused epilogue"): the sum as ``all_reduce`` forms it
+        (fp32, fixed rank order, rounded once), ``residual_out`` rounded once from the fp32 sum
+        with ``residual``, the mean of squares of ``residual_out`` in a fixed order that
+        depends only on ``hidden``, ``y`` rounded once from fp32. Bitwise equal on every rank,
+        and a row's result does not depend on the other rows of the batch.
+
+        In place: ``out=x`` and/or ``residual_out=residual`` (the two must differ). Without
+        them, new tensors. A call the kernels decline (``fused_decline_reason``) runs the
+        group's all-reduce, then the same add and norm in torch."""
+        eps = float(eps)
+        if out is None and residual_out is None:
+            return self._op_fused(x, residual, weight, eps, self.handle)
+        if out is x and residual_out is residual:
+            self._op_fused_in_place(x, residual, weight, eps, self.handle)
+            return x, residual
+        if out is x or residual_out is residual:
+            # One in place, one not: the ops' schemas keep each written tensor apart from the
+            # inputs, so form both results anew and copy the in-place one back.
+            y, r = self._op_fused(x, residual, weight, eps, self.handle)
+            out = y if out is None else out.copy_(y)
+            residual_out = r if residual_out is None else residual_out.copy_(r)
+            return out, residual_out
+        if out is None:
+            out = torch.empty_like(x)
+        if residual_out is None:
+            residual_out = torch.empty_like(residual)
+        self._op_fused_into(x, residual, weight, eps, self.handle, out, residual_out)
+        return out, residual_out
 
     def synchronize(self) -> None:
         """Waits for the device; a kernel that timed out raises PcieAllReduceTimeout here."""

@@ -1,7 +1,8 @@
 """The compiled extension, loaded once, when the runtime first needs it.
 
 Loading ``pcie_allreduce._C`` runs its ``TORCH_LIBRARY`` block, which defines the torch ops
-``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}``; this module then
+``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}`` and the fused
+``all_reduce_add_rms_norm{,_,_into}``; this module then
 registers their fake implementations, so ``torch.compile`` can trace a call before any op runs.
 ``import pcie_allreduce`` does not import this module: a disabled engine plugin loads neither
 the extension nor torch. Every module that needs the extension imports ``_C`` from here.
@@ -30,3 +31,23 @@ def _all_reduce_inplace_fake(inp: torch.Tensor, handle: int) -> None:
 def _all_reduce_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
     return None
 
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm")
+def _all_reduce_add_rms_norm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float, handle: int):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(residual.shape, dtype=residual.dtype, device=residual.device))
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm_")
+def _all_reduce_add_rms_norm_inplace_fake(x: torch.Tensor, residual: torch.Tensor,
+                                          weight: torch.Tensor, eps: float, handle: int) -> None:
+    return None
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm_into")
+def _all_reduce_add_rms_norm_into_fake(x: torch.Tensor, residual: torch.Tensor,
+                                       weight: torch.Tensor, eps: float, handle: int,
+                                       out: torch.Tensor, residual_out: torch.Tensor) -> None:
+    return None

@@ -253,3 +253,33 @@ TEST(CostModel, RefusesMalformedInput) {
 
 }  // namespace
 }  // namespace pcie_ar::plan
+
+namespace pcie_ar::plan {
+namespace {
+
+// Issue 24: the fused epilogue adds the rank's CTA meeting and two local passes over its rows,
+// nothing that crosses the fabric: every buildable tactic, P2P and host memory, at a decode
+// size, costs exactly three local loads more and moves the same bytes.
+TEST(CostModel, TheFusedEpilogueAddsNoFabricRoundTrip) {
+  const LatencyModel l = powers_of_two();
+  const std::vector<int> islands = {0, 0, 0, 0, 1, 1, 1, 1};
+  int compared = 0;
+  for (const Tactic& t : buildable_tactics(8, islands)) {
+    const Schedule plain =
+        build_schedule(t.algorithm, t.direction, t.staged, 8, islands, t.protocol);
+    const Schedule fused = with_epilogue(plain);
+    for (Placement placement : {Placement::kDeviceMemory, Placement::kHostMemory}) {
+      const CostReport a = model_cost(plain, 12288, placement, l, ExecutorModel{});
+      const CostReport b = model_cost(fused, 12288, placement, l, ExecutorModel{});
+      EXPECT_DOUBLE_EQ(b.latency_us - a.latency_us, 3 * l.local_load_us) << tactic_label(t);
+      EXPECT_EQ(b.serial_round_trips - a.serial_round_trips, 3) << tactic_label(t);
+      EXPECT_DOUBLE_EQ(b.bandwidth_us, a.bandwidth_us) << tactic_label(t);
+      EXPECT_EQ(b.busiest_link_bytes, a.busiest_link_bytes) << tactic_label(t);
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 20);
+}
+
+}  // namespace
+}  // namespace pcie_ar::plan

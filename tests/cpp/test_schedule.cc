@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "plan/layout.h"
+#include "plan/program_check.h"
 #include "plan/schedule.h"
 #include "plan/verify.h"
 
@@ -303,6 +304,33 @@ TEST_P(EveryAcceptedSchedule, FusingFoldsOnlyForwardingCopiesIntoSums) {
     }
     if (c.algorithm == Algorithm::kOneshot || c.protocol == Protocol::kLL) {
       EXPECT_EQ(dual, 0);
+    }
+  }
+}
+
+// The fused schedule of every tactic (issue 24): the same programs plus one epilogue each, proven
+// whole-output-first, and no dearer between ranks: the same fences, peer polls and fabric hops.
+TEST_P(EveryAcceptedSchedule, WithEpilogueVerifiesAndCostsNoFabric) {
+  const Case& c = GetParam();
+  for (const Schedule& s : built_and_fused(c)) {
+    const Schedule fused = with_epilogue(s);
+    ASSERT_TRUE(fused.epilogue);
+    for (bool in_place : {false, true}) {
+      const Verification plain = verify(s, VerifyOptions{in_place});
+      const Verification v = verify(fused, VerifyOptions{in_place});
+      ASSERT_TRUE(v.ok) << first_error(v);
+      EXPECT_EQ(v.cost.system_fences, plain.cost.system_fences);
+      EXPECT_EQ(v.cost.peer_polls, plain.cost.peer_polls);
+      EXPECT_EQ(v.cost.fabric_hops, plain.cost.fabric_hops);
+      EXPECT_EQ(v.sent_to, plain.sent_to);
+    }
+    for (int r = 0; r < c.world; ++r) {
+      ASSERT_EQ(fused.programs[r].size(), s.programs[r].size() + 1);
+      const Step& last = fused.programs[r].back();
+      EXPECT_EQ(last.kind, StepKind::kEpilogue);
+      EXPECT_EQ(last.peer, r);
+      const Program p = encode_program(fused, r);
+      EXPECT_NO_THROW(check_program(p, make_layout(4096, c.world, 4), r));
     }
   }
 }
@@ -912,6 +940,90 @@ TEST(Protocol, DescribesAnLLTimeoutAndMismatchNamingTheWriter) {
   EXPECT_NE(text.find("rank 3 and rank 6 disagree on the call of generation 9"), std::string::npos)
       << text;
   EXPECT_NE(text.find("tagged 0x00000010"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace pcie_ar::plan
+
+namespace pcie_ar::plan {
+namespace {
+
+Schedule fused_twoshot(int world) {
+  return with_epilogue(build_schedule(Algorithm::kTwoshot, Direction::kPush, false, world));
+}
+
+bool says(const Verification& v, const std::string& what) {
+  for (const auto& e : v.errors) {
+    if (e.find(what) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(Epilogue, MustComeAfterEveryChunkOfTheOutput) {
+  // Two-shot: rank 0's output is whole only after the all-gather. Move its epilogue in front of
+  // the last wait and the copy after it: the verifier sees chunks that are not the sum yet.
+  Schedule s = fused_twoshot(4);
+  auto& program = s.programs[0];
+  const Step epilogue = program.back();
+  program.pop_back();
+  size_t last_wait = 0;
+  for (size_t i = 0; i < program.size(); ++i) {
+    if (program[i].kind == StepKind::kWait) last_wait = i;
+  }
+  program.erase(program.begin() + static_cast<std::ptrdiff_t>(last_wait), program.end());
+  program.push_back(epilogue);
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(says(v, "when the epilogue reads it")) << first_error(v);
+}
+
+TEST(Epilogue, IsTheLastStepExactlyOnceAndOnlyInAFusedSchedule) {
+  Schedule twice = fused_twoshot(2);
+  twice.programs[1].insert(twice.programs[1].begin(), twice.programs[1].back());
+  Verification v = verify(twice);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(says(v, "must be the rank's last step")) << first_error(v);
+
+  Schedule unmarked = fused_twoshot(2);
+  unmarked.epilogue = false;
+  v = verify(unmarked);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(says(v, "an epilogue in a schedule without one")) << first_error(v);
+
+  Schedule missing = fused_twoshot(3);
+  missing.programs[2].pop_back();
+  v = verify(missing);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(says(v, "rank 2 runs the epilogue 0 times")) << first_error(v);
+
+  EXPECT_THROW(with_epilogue(fused_twoshot(2)), std::invalid_argument);
+}
+
+TEST(Epilogue, MeetsInTheRanksOwnMemory) {
+  Schedule s = fused_twoshot(2);
+  s.programs[0].back().peer = 1;
+  const Verification v = verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_TRUE(says(v, "meet in rank 0's own memory")) << first_error(v);
+}
+
+TEST(Epilogue, CheckProgramRefusesOneThatIsNotLastOrMeetsElsewhere) {
+  const Layout layout = make_layout(4096, 2, 2);
+  const Schedule s = fused_twoshot(2);
+  Program p = encode_program(s, 0);
+  EXPECT_NO_THROW(check_program(p, layout, 0));
+  Program early = p;
+  std::swap(early.steps[0], early.steps[early.num_steps - 1]);
+  try {
+    check_program(early, layout, 0);
+    ADD_FAILURE() << "an epilogue before the last step passed";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("must be the program's last step"), std::string::npos)
+        << e.what();
+  }
+  Program elsewhere = p;
+  elsewhere.steps[elsewhere.num_steps - 1].flag_owner = 1;
+  EXPECT_THROW(check_program(elsewhere, layout, 0), std::invalid_argument);
 }
 
 }  // namespace

@@ -43,11 +43,13 @@
 #include <utility>
 #include <vector>
 
+#include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/schedule.h"
 #include "plan/tactic.h"
 #include "support/cuda_loopback.h"
+#include "transport/executors/host/epilogue.h"
 #include "transport/memory/cuda_device.h"
 
 namespace {
@@ -657,7 +659,8 @@ struct LatencyRow {
 
 // Median microseconds per call: kCalls launches captured in one graph, replayed kReps times.
 double time_per_call_us(CudaLoopback& lb, int schedule_id, const plan::Tactic& tactic,
-                        int64_t numel, Buffers& buf) {
+                        int64_t numel, Buffers& buf,
+                        const std::vector<plan::EpilogueArgs>* epilogue = nullptr) {
   constexpr int kCalls = 20;
   constexpr int kWarmup = 3;
   constexpr int kReps = 25;
@@ -666,7 +669,7 @@ double time_per_call_us(CudaLoopback& lb, int schedule_id, const plan::Tactic& t
   CHECK_CUDA(cudaStreamBeginCapture(buf.stream, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < kCalls; ++i) {
     lb.launch(schedule_id, DType::kBF16, tactic, buf.inputs(), buf.outputs(), numel,
-              plan::call_signature(DType::kBF16, tactic), buf.stream);
+              plan::call_signature(DType::kBF16, tactic), buf.stream, 0, -1, epilogue);
   }
   CHECK_CUDA(cudaStreamEndCapture(buf.stream, &graph));
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
@@ -746,6 +749,100 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
 
 // ------------------------------------------------------------------ one world
 
+// ------------------------------------------------------------------ the fused epilogue
+
+// Every tactic with plan::with_epilogue, bf16 and fp32, 3 rows of hidden 4096 on 4 CTAs of 256
+// threads, out of place: y and residual_out must equal, bit for bit, the plain all-reduce of the
+// same inputs followed by the host executor's epilogue (what the CPU device checks in CI, here on
+// the GPU's own memory model). Then, at decode size (1 row), the fused call's time beside the
+// plain all-reduce's, the best tactic of each.
+void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
+                 std::vector<std::string>& latency_table) {
+  const int world = buf.world;
+  const int64_t hidden = 4096;
+  const int64_t rows = 3;
+  const int64_t numel = rows * hidden;
+  Tally& t = tally("world " + std::to_string(world) + " | fused epilogue");
+  std::vector<uint8_t*> res(world), res_out(world), weight(world);
+  for (int r = 0; r < world; ++r) {
+    CHECK_CUDA(cudaMalloc(&res[r], numel * 4));
+    CHECK_CUDA(cudaMalloc(&res_out[r], numel * 4));
+    CHECK_CUDA(cudaMalloc(&weight[r], hidden * 4));
+  }
+  double best_plain = 1e30, best_fused = 1e30;
+  std::string plain_label, fused_label;
+  for (const Case& c : cases) {
+    if (c.interleaved) continue;
+    const int plain = lb.add_schedule(c.schedule);
+    const int fused = lb.add_schedule(plan::with_epilogue(c.schedule));
+    for (DType dtype : {DType::kBF16, DType::kFP32}) {
+      const int eb = plan::dtype_bytes(dtype);
+      const int64_t bytes = numel * eb;
+      if (c.ll && bytes > lb.layout().ll_capacity_bytes) continue;
+      const Data data(world, dtype, bytes, 77 + world);
+      const Data side(2, dtype, bytes, 91);  // [0]: the residual, [1]: row 0 is the weight
+      const plan::Tactic tactic = tactic_of(c, 4, 256);
+      std::vector<plan::EpilogueArgs> args(world);
+      for (int r = 0; r < world; ++r) {
+        CHECK_CUDA(cudaMemcpy(buf.in[r], data.inputs[r].data(), bytes, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(res[r], side.inputs[0].data(), bytes, cudaMemcpyHostToDevice));
+        CHECK_CUDA(
+            cudaMemcpy(weight[r], side.inputs[1].data(), hidden * eb, cudaMemcpyHostToDevice));
+        args[r] = plan::EpilogueArgs{res[r], res_out[r], weight[r], hidden, 1e-6f};
+      }
+      const std::string what = "world " + std::to_string(world) + " fused " +
+                               plan::tactic_label(tactic) + " " +
+                               std::string(plan::dtype_name(dtype));
+      lb.launch(plain, dtype, tactic, buf.inputs(), buf.outputs(), numel,
+                plan::call_signature(dtype, tactic), buf.stream);
+      CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+      std::vector<std::vector<uint8_t>> want_y(world, std::vector<uint8_t>(bytes)),
+          want_r(world, std::vector<uint8_t>(bytes));
+      for (int r = 0; r < world; ++r) {
+        CHECK_CUDA(cudaMemcpy(want_y[r].data(), buf.out[r], bytes, cudaMemcpyDeviceToHost));
+        plan::EpilogueArgs host{side.inputs[0].data(), want_r[r].data(), side.inputs[1].data(),
+                                hidden, 1e-6f};
+        pcie_ar::transport::run_epilogue(dtype, want_y[r].data(), numel, host);
+      }
+      lb.launch(fused, dtype, tactic, buf.inputs(), buf.outputs(), numel,
+                plan::call_signature(dtype, tactic), buf.stream, 0, -1, &args);
+      CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+      bool ok = true;
+      for (int r = 0; r < world && ok; ++r) {
+        std::vector<uint8_t> got_y(bytes), got_r(bytes);
+        CHECK_CUDA(cudaMemcpy(got_y.data(), buf.out[r], bytes, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(got_r.data(), res_out[r], bytes, cudaMemcpyDeviceToHost));
+        if (got_y != want_y[r] || got_r != want_r[r]) {
+          report(what + ": rank " + std::to_string(r) +
+                 (got_y != want_y[r] ? " y" : " residual_out") +
+                 " differs from the plain all-reduce + the host epilogue");
+          ok = false;
+        }
+      }
+      ok ? t.pass++ : t.fail++;
+      if (dtype != DType::kBF16) continue;
+      // Decode size: one row of hidden 4096 bf16 (8 KiB), plain vs fused, graph-timed.
+      const plan::Tactic timed = tactic_of(c, 4, 512);
+      const double tp = time_per_call_us(lb, plain, timed, hidden, buf);
+      const double tf = time_per_call_us(lb, fused, timed, hidden, buf, &args);
+      if (tp < best_plain) best_plain = tp, plain_label = plan::tactic_label(timed);
+      if (tf < best_fused) best_fused = tf, fused_label = plan::tactic_label(timed);
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    cudaFree(res[r]);
+    cudaFree(res_out[r]);
+    cudaFree(weight[r]);
+  }
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "\nworld %d, 1 row of 4096 bf16: plain all-reduce %.2f us (%s), fused "
+                "all-reduce + add + RMSNorm %.2f us (%s): fused/plain %.2fx",
+                world, best_plain, plain_label.c_str(), best_fused, fused_label.c_str(),
+                best_fused / best_plain);
+  latency_table.push_back(line);
+}
+
 void run_world(int world, bool quick, bool latency, std::vector<std::string>& latency_table) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t max_bytes = 1024 * 1024;
@@ -768,6 +865,7 @@ void run_world(int world, bool quick, bool latency, std::vector<std::string>& la
 
   check_correctness(lb, cases, ids, buf, sizes, quick);
   check_graph_replay(lb, cases, ids, buf);
+  check_fused(lb, cases, buf, latency_table);
   if (latency) {
     measure_latency(lb, cases, ids, buf, {1024, 12 * 1024, 96 * 1024, 384 * 1024, 1024 * 1024},
                     "device memory", latency_table);

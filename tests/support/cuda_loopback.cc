@@ -174,7 +174,7 @@ void CudaLoopback::check_launch_args(const Uploaded& up, const plan::Tactic& tac
 void CudaLoopback::launch(int schedule_id, plan::DType dtype, const plan::Tactic& tactic,
                           const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
                           int64_t numel, uint32_t signature, cudaStream_t stream, int first_rank,
-                          int count) {
+                          int count, const std::vector<plan::EpilogueArgs>* epilogue) {
   if (schedule_id < 0 || schedule_id >= static_cast<int>(schedules_.size())) {
     throw std::invalid_argument("loopback launch: unknown schedule id " +
                                 std::to_string(schedule_id));
@@ -182,9 +182,12 @@ void CudaLoopback::launch(int schedule_id, plan::DType dtype, const plan::Tactic
   const Uploaded& up = schedules_[schedule_id];
   if (count < 0) count = view_.layout.world - first_rank;
   check_launch_args(up, tactic, inputs.size(), outputs.size(), first_rank, count);
-  const LaunchParams p =
+  LaunchParams p =
       make_launch_params(view_, up.programs, dtype, tactic.blocks, tactic.threads, inputs.data(),
                          outputs.data(), numel, signature, first_rank, count);
+  for (int r = first_rank; epilogue != nullptr && r < first_rank + count; ++r) {
+    set_epilogue(p, r, epilogue->at(r));
+  }
   DeviceGuard guard(device_);
   for (int r = first_rank; r < first_rank + count; ++r) order_[r].before_call(stream);
   if (!launch_executor(p, stream)) view_.pdl = false;  // refused: launched plainly, stay plain

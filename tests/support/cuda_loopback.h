@@ -41,12 +41,13 @@ class CudaLoopback {
   // indexed by rank (size world; withheld ranks' entries are ignored). All CTAs of the launch
   // wait on each other, so they must be resident at once: throws std::runtime_error otherwise.
   // The call itself must meet Call's contract (transport/workspace.h); it is not re-checked.
+  // `epilogue`, one per rank, for a schedule with the fused epilogue (plan::with_epilogue).
   // Each virtual rank's calls are ordered across streams like a real rank's; launches of
   // disjoint ranks on different streams run concurrently (the failure tests rely on it).
   void launch(int schedule_id, plan::DType dtype, const plan::Tactic& tactic,
               const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
               int64_t numel, uint32_t signature, cudaStream_t stream, int first_rank = 0,
-              int count = -1);
+              int count = -1, const std::vector<plan::EpilogueArgs>* epilogue = nullptr);
 
   // The most CTAs of this kernel the GPU keeps resident at once (blocks × ranks must fit).
   int max_resident_blocks(plan::DType dtype, plan::Direction direction, int threads) const;

@@ -99,5 +99,10 @@ def summary_line(ar: Any, group: str = TP_GROUP_NAME) -> str:
     calls = ", ".join(f"{k} {v}" for k, v in sorted(s["calls"].items())) or "none"
     declines = ", ".join(f"{k} {v}" for k, v in sorted(s["declines"].items())) or "none"
     state = "enabled" if s["enabled"] else f"disabled ({s['disabled_reason']})"
-    return (f"pcie_allreduce[{group} rank {ar.rank}/{ar.world_size}]: {state}; calls: {calls}; "
+    line = (f"pcie_allreduce[{group} rank {ar.rank}/{ar.world_size}]: {state}; calls: {calls}; "
             f"declines: {declines}; staged {s['staged']}; table: {s['table_source']}")
+    routed, fused_declines = s.get("fused_routed", 0), s.get("fused_declines") or {}
+    if routed or fused_declines:  # the engine's fused all-reduce + residual add + RMSNorm
+        line += f"; fused add+rms_norm: {routed} routed, declines: " + (", ".join(
+            f"{k} {v}" for k, v in sorted(fused_declines.items())) or "none")
+    return line

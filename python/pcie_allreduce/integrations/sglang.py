@@ -39,6 +39,18 @@ groups are destroyed. This module fills that slot and patches nothing else:
   when set, else ``SGLANG_ENABLE_DETERMINISTIC_INFERENCE``), and when the former is unset also
   the published ``exec.deterministic.enable_deterministic_inference``. Then the table is
   ``common.deterministic_table``: oneshot at every admitted size.
+* **The fused end of a layer** (all-reduce + residual add + RMSNorm): SGLang's layer boundary
+  offers it where its FlashInfer fusion applies (``flashinfer_ar_fusion_applies``), and
+  ``RMSNorm.forward_with_allreduce_fusion`` calls ``flashinfer_allreduce_residual_rmsnorm``,
+  whose ``(None, None)`` means "not taken" (the caller then all-reduces, adds and normalises
+  itself, into a fresh residual). Two AROUND hooks (SGLang's ``HookRegistry``): the gate also
+  opens when this group's communicator is built and enabled and SGLang's own rules would allow a
+  fusion (no DP attention, no deterministic inference, no
+  ``--enforce-disable-flashinfer-allreduce-fusion``, no CuTe DSL fusion) for a batch that fits
+  the workspace; the call goes to ``PcieAllReduce.all_reduce_add_rms_norm`` when the group it
+  reduces over (SGLang's ``resolve_fusion_group``) holds our slot and the kernels take the
+  tensors (``should_use_fused``), else to SGLang's own function. Fresh ``(norm_out,
+  residual_out)``, ``residual`` untouched, as FlashInfer's kernel returns them.
 * **Shutdown**: ``destroy()`` logs ``common.summary_line`` once (its declines include the
   slot's: reductions SGLang offered that stayed on its own path) and destroys the communicator
   while the process groups still live (SGLang calls it first in ``GroupCoordinator.destroy``).
@@ -60,6 +72,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pcie_allreduce")
 
 HOOK_TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
+# SGLang's fused all-reduce + residual add + RMSNorm call site, and the gate that offers it.
+FUSED_TARGET = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
+FUSION_GATE_TARGET = (
+    "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies")
 UPSTREAM_FLAG = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
 NOT_PREPARED = "not_prepared"  # a capture reached the slot before the communicator was built
 
@@ -83,6 +99,8 @@ def register() -> None:
         return
 
     HookRegistry.register(HOOK_TARGET, _after_group_init, HookType.AFTER)
+    HookRegistry.register(FUSED_TARGET, _fused_call, HookType.AROUND)
+    HookRegistry.register(FUSION_GATE_TARGET, _fusion_gate, HookType.AROUND)
     _registered = True
 
 
@@ -138,6 +156,93 @@ def _take_over_from_upstream(coordinator: Any, theirs: Any) -> None:
             "pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 and %s=1 both ask for the %s PCIe-IPC "
             "all-reduce slot; pcie_allreduce owns it (the explicit PCIE_ALLREDUCE_ENABLE=1 "
             "wins); %s", UPSTREAM_FLAG, coordinator.unique_name, fate)
+
+
+# ---------------------------------------------------------------------------- the fused call
+_FUSED_SIGNATURE: Optional[inspect.Signature] = None
+_ENGINE_GATE: Optional[Callable[..., bool]] = None  # SGLang's own flashinfer_ar_fusion_applies
+
+
+def _tp_slot() -> Optional["SglangPcieAllReduce"]:
+    """Our slot in SGLang's ``tp`` coordinator, or None (no groups yet, or not ours)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        tp = get_parallel().tp_group
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    slot = getattr(tp, "pcie_ipc_comm", None)
+    return slot if isinstance(slot, SglangPcieAllReduce) else None
+
+
+def _fusion_gate(original: Callable[..., bool], batch_size: Any, *args: Any,
+                 **kwargs: Any) -> bool:
+    """AROUND ``flashinfer_ar_fusion_applies(batch_size)``: SGLang's answer, or True where our
+    communicator can take the fused call instead (``SglangPcieAllReduce.offers_fusion``)."""
+    global _ENGINE_GATE
+    _ENGINE_GATE = original
+    if original(batch_size, *args, **kwargs):
+        return True
+    slot = _tp_slot()
+    return slot is not None and slot.offers_fusion(batch_size)
+
+
+def _fused_call(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``flashinfer_allreduce_residual_rmsnorm``: our fused op when the group the call
+    reduces over holds our slot and the kernels take it. Otherwise SGLang's own function where
+    SGLang's own gate offered the call (FlashInfer's fusion), else ``(None, None)``, what that
+    function returns when FlashInfer does not take a call: SGLang's caller then runs its unfused
+    path (its all-reduce, then its add and norm into a fresh residual)."""
+    global _FUSED_SIGNATURE
+    if _FUSED_SIGNATURE is None:
+        _FUSED_SIGNATURE = inspect.signature(original)
+    try:
+        bound = _FUSED_SIGNATURE.bind(*args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
+
+    try:
+        _, _, coordinator = resolve_fusion_group(use_attn_tp_group=call["use_attn_tp_group"])
+    except (RuntimeError, ValueError, AttributeError):  # no groups: SGLang decides
+        return original(*args, **kwargs)
+    slot = getattr(coordinator, "pcie_ipc_comm", None)
+    if isinstance(slot, SglangPcieAllReduce):
+        fused = slot.fused_add_rms_norm(call["input_tensor"], call["residual"], call["weight"],
+                                        call["eps"])
+        if fused is not None:
+            return fused
+        rows = call["input_tensor"].shape[0] if call["input_tensor"].dim() else 0
+        if _ENGINE_GATE is not None and not _ENGINE_GATE(rows):
+            return None, None  # we opened the gate: SGLang's fallback, not FlashInfer's kernel
+    return original(*args, **kwargs)
+
+
+def _fusion_off_reason(deterministic: bool) -> Optional[str]:
+    """Why SGLang would not fuse the all-reduce into the norm in this server, whatever the
+    hardware (its own rules for its FlashInfer fusion), or None."""
+    from sglang.srt.runtime_context import get_exec
+
+    if deterministic:
+        return "deterministic inference (SGLang turns its all-reduce fusion off there too)"
+    enforce_off, _ = _read_config(
+        "get_exec().comm.enforce_disable_flashinfer_allreduce_fusion",
+        lambda: get_exec().comm.enforce_disable_flashinfer_allreduce_fusion)
+    if enforce_off:
+        return "--enforce-disable-flashinfer-allreduce-fusion"
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.layers.flashinfer_comm_fusion import uses_cutedsl_ar_fusion
+
+    try:
+        if is_dp_attention_enabled():
+            return "DP attention (the attention group is not the tp group)"
+        if uses_cutedsl_ar_fusion():
+            return "SGLang's CuTe DSL fusion owns the pattern"
+    except (RuntimeError, ValueError, AttributeError) as error:
+        return f"SGLang's config cannot be read ({error})"
+    return None
 
 
 # ---------------------------------------------------------------------------- SGLang's config
@@ -241,6 +346,10 @@ class SglangPcieAllReduce:
         self._destroyed = False
         self._capture: Optional[contextlib.ExitStack] = None
         self._declines: Dict[str, int] = {}
+        self.hidden: Optional[int] = None
+        self._fused_routed = 0
+        self._fused_declines: Dict[str, int] = {}
+        self._fusion_off: Optional[Tuple[Optional[str]]] = None  # (reason,) once decided
 
     # ------------------------------------------------------------------ SGLang's API
     @property
@@ -308,11 +417,55 @@ class SglangPcieAllReduce:
         (logger.info if self._ar.enabled else logger.warning)("%s", line)
         self._ar.destroy()
 
+    # ------------------------------------------------------------------ the fused call
+    def offers_fusion(self, batch_size: Any) -> bool:
+        """Whether SGLang's layer boundary may offer the fused all-reduce + add + RMSNorm for a
+        batch of ``batch_size`` rows: the communicator is built and enabled, SGLang's own rules
+        allow a fusion (``_fusion_off_reason``) and the rows fit the workspace. The same answer
+        on every rank (built and enabled are agreed; the rest is configuration)."""
+        if self._ar is None or self.disabled:
+            return False
+        if self._fusion_off is None:
+            reason = _fusion_off_reason(bool(self.deterministic
+                                             and self.deterministic.startswith("on")))
+            self._fusion_off = (reason,)
+            if reason is not None and self.rank == 0:
+                logger.info("pcie_allreduce: %s keeps SGLang's unfused all-reduce + RMSNorm: %s",
+                            self.group_name, reason)
+        if self._fusion_off[0] is not None:
+            return False
+        if not batch_size > 0:
+            return False
+        return self.hidden is None or batch_size * self.hidden <= self.max_numel
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                           weight: torch.Tensor, eps: float
+                           ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """FlashInfer's contract: ``(norm_out, residual_out)``, both new tensors, with
+        ``residual_out = sum_ranks(x) + residual`` (``residual`` itself untouched); None when
+        the kernels do not take it (counted under ``fused_declines``), so SGLang's own path
+        runs."""
+        if self._ar is None or self.disabled:
+            return None
+        self._bracket_capture(_stream_capturing(x.device))
+        reason = self._ar.fused_decline_reason(x, residual, weight)
+        if reason is not None:
+            count = self._fused_declines.get(reason, 0)
+            self._fused_declines[reason] = count + 1
+            if count == 0 and self.rank == 0:
+                logger.info("pcie_allreduce: %s declines fused all-reduce + RMSNorm calls "
+                            "(%s; first: %s %s); they stay on SGLang's path", self.group_name,
+                            reason, tuple(x.shape), x.dtype)
+            return None
+        self._fused_routed += 1
+        return self._ar.all_reduce_add_rms_norm(x, residual, weight, eps)
+
     # ------------------------------------------------------------------ ours
     def stats(self) -> Dict[str, Any]:
         """``PcieAllReduce.stats()`` with the slot's own declines added (reductions SGLang
-        offered that stayed on its path), the sizing line, the deterministic rule and the
-        warm-up outcome."""
+        offered that stayed on its path), the fused calls SGLang's fused call site routed to
+        the communicator (``fused_routed``) and declined (added to ``fused_declines``), the
+        sizing line, the deterministic rule and the warm-up outcome."""
         if self._ar is not None:
             s = self._ar.stats()
         else:
@@ -323,6 +476,11 @@ class SglangPcieAllReduce:
         for reason, count in self._declines.items():
             declines[reason] = declines.get(reason, 0) + count
         s["declines"] = declines
+        fused_declines = dict(s.get("fused_declines", {}) or {})
+        for reason, count in self._fused_declines.items():
+            fused_declines[reason] = fused_declines.get(reason, 0) + count
+        s["fused_declines"] = fused_declines
+        s["fused_routed"] = self._fused_routed
         s["max_numel"] = self.max_numel
         s["sizing"] = self.sizing.how if self.sizing else None
         s["deterministic"] = self.deterministic
@@ -360,6 +518,7 @@ class SglangPcieAllReduce:
                            "reductions stay on SGLang's path: %s", self.group_name, self._failed)
             return False
         self.sizing, self.max_numel = sizing, sizing.max_numel
+        self.hidden = hidden if hidden and hidden > 0 else None
         self.deterministic = f"on ({why}): oneshot at every size" if deterministic else \
             f"off ({why})"
         if self.rank == 0 and not sizing.guessed:  # a guess was already announced

@@ -9,6 +9,19 @@ exactly ``tp`` (world size > 1) gets a :class:`VllmPcieAllReduce` in
 its process groups (``destroy``). vLLM's dispatch itself is not touched: a tensor the slot
 declines goes on down vLLM's chain (custom all-reduce, pynccl, torch.distributed).
 
+The fused end of a layer (all-reduce + residual add + RMSNorm): vLLM fuses it in a torch.compile
+post-grad pass (``AllReduceFusionPass``, FlashInfer's kernel, NVLink-class hosts only). Where
+our slot is filled, ``PcieFusedAddRmsNormPass`` (``fusion_pass_class()``) goes into the slot
+vLLM keeps for one custom post-grad pass,
+``compilation_config.inductor_compile_config[current_platform.pass_key]``
+(``"post_grad_custom_post_pass"``), unless something else already holds it; vLLM's
+``PostGradPassManager`` runs it after its own fusion passes and before lowering its IR. It
+rewrites ``vllm.all_reduce`` over the tp group followed by ``vllm_ir.fused_add_rms_norm`` (or
+``vllm_ir.rms_norm``) into :data:`FUSED_OP`, which runs
+``PcieAllReduce.all_reduce_add_rms_norm`` when the kernels take the tensors
+(``should_use_fused``) and otherwise vLLM's own ``vllm.all_reduce`` then
+``vllm.ir.ops.fused_add_rms_norm``: the graph's values either way.
+
 What it reads from vLLM (each path is pinned by tests/engines/vllm against the real vLLM):
 :data:`CONFIG_PATHS` from ``vllm.config.get_current_vllm_config_or_none()`` (set while vLLM's
 worker builds its groups), ``vllm.envs.VLLM_BATCH_INVARIANT`` and
@@ -21,8 +34,9 @@ import collections
 import contextlib
 import functools
 import logging
+import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import policy
 from . import common
@@ -31,6 +45,7 @@ logger = logging.getLogger("pcie_allreduce.vllm")
 
 UPSTREAM_FLAG = "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC"
 SLOT = "fi_pcie_ipc_ar_comm"  # CudaCommunicator's attribute that vLLM dispatches to
+FUSED_OP = "pcie_allreduce_vllm::fused_add_rms_norm"  # what the fusion pass puts in the graph
 _ORIGINAL_INIT = "_pcie_allreduce_original_init"  # set on CudaCommunicator once wrapped
 
 # The vLLM configuration this adapter reads, as attribute paths from VllmConfig.
@@ -172,6 +187,8 @@ class VllmPcieAllReduce:
         # vLLM reads and may set this (its PCIe warm-up sets it under dual-batch overlap).
         self.disabled = not self.ar.enabled
         self._engine_declines: Dict[str, int] = collections.Counter()
+        self._fused_declines: Dict[str, int] = collections.Counter()
+        self._fused_routed = 0
         self._destroyed = False
         known = not self.sizing.guessed and settings.hidden and settings.max_rows
         self.warm_up = common.warm_up(
@@ -211,6 +228,19 @@ class VllmPcieAllReduce:
         """The sum over the group into a new tensor (vLLM's out-of-place contract)."""
         return self.ar.all_reduce(inp)
 
+    def fused_add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> Any:
+        """``(y, residual_out)`` as new tensors from the fused kernels, or None when they do
+        not take these tensors (counted in ``stats()["fused_declines"]``): the caller then runs
+        vLLM's unfused all-reduce and norm."""
+        if self.disabled or self._destroyed:
+            return None
+        reason = self.ar.fused_decline_reason(x, residual, weight)
+        if reason is not None:
+            self._fused_declines[reason] += 1
+            return None
+        self._fused_routed += 1
+        return self.ar.all_reduce_add_rms_norm(x, residual, weight, eps)
+
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """Entered by vLLM's ``GroupCoordinator.graph_capture()`` inside its capture stream."""
@@ -237,6 +267,10 @@ class VllmPcieAllReduce:
         declines.update(self._engine_declines)
         s["declines"] = dict(declines)
         s["engine_fallback"] = sum(self._engine_declines.values())
+        fused_declines = collections.Counter(s.get("fused_declines", {}) or {})
+        fused_declines.update(self._fused_declines)
+        s["fused_declines"] = dict(fused_declines)
+        s["fused_routed"] = self._fused_routed
         s["sizing"] = self.sizing.how
         s["warm_up"] = dict(self.warm_up)
         s["deterministic"] = self.deterministic
@@ -324,6 +358,9 @@ def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
     if theirs is not None:
         theirs.destroy()  # FlashInfer's allocates its workspace in setup(), never called now
     setattr(communicator, SLOT, adapter)
+    if adapter.ar.enabled:
+        install_fusion_pass(get_current_vllm_config_or_none(), communicator.unique_name,
+                            log=first)
     if first:
         state = ("enabled" if adapter.ar.enabled
                  else f"disabled ({adapter.ar.disabled_reason})")
@@ -356,3 +393,191 @@ def _route_logs_through_vllm() -> None:
         ours.addHandler(handler)
     if ours.level == logging.NOTSET:
         ours.setLevel(theirs.getEffectiveLevel())
+
+
+# ---------------------------------------------------------------------- the fused pass
+_FUSED_OP_DEFINED = False
+
+
+def define_fused_op() -> Any:
+    """Defines :data:`FUSED_OP` once per process (a functional op: new outputs, inputs
+    untouched) and returns it: ``(x, residual, weight, eps, group_name) -> (y, residual_out)``
+    with ``residual_out = sum_ranks(x) + residual``, ``y = rms_norm(residual_out) * weight``."""
+    global _FUSED_OP_DEFINED
+    import torch
+
+    namespace, name = FUSED_OP.split("::")
+    if not _FUSED_OP_DEFINED:
+        @torch.library.custom_op(FUSED_OP, mutates_args=(), schema=(
+            "(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
+            "-> (Tensor, Tensor)"))
+        def fused_add_rms_norm(x, residual, weight, eps, group_name):  # noqa: ANN001, ANN202
+            return _run_fused(x, residual, weight, eps, group_name)
+
+        @fused_add_rms_norm.register_fake
+        def _(x, residual, weight, eps, group_name):  # noqa: ANN001, ANN202
+            return torch.empty_like(x), torch.empty_like(residual)
+
+        _FUSED_OP_DEFINED = True
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def _run_fused(x: Any, residual: Any, weight: Any, eps: float, group_name: str) -> Any:
+    """The op's body: our kernels when the tp group's slot takes the tensors, else vLLM's own
+    all-reduce (its dispatch, our slot included) and vLLM's fused_add_rms_norm."""
+    import torch
+    import vllm.ir.ops
+    from vllm.distributed import get_tp_group
+
+    tp = get_tp_group()
+    communicator = tp.device_communicator if tp.unique_name == group_name else None
+    slot = getattr(communicator, SLOT, None)
+    if isinstance(slot, VllmPcieAllReduce):
+        fused = slot.fused_add_rms_norm(x, residual, weight, eps)
+        if fused is not None:
+            return fused
+    summed = torch.ops.vllm.all_reduce(x, group_name=group_name)
+    y, residual_out = vllm.ir.ops.fused_add_rms_norm(summed, residual, weight, eps)
+    inputs = {t.data_ptr() for t in (x, residual, weight)}  # a custom op's outputs are new
+    y = y.clone() if y.data_ptr() in inputs else y
+    residual_out = residual_out.clone() if residual_out.data_ptr() in inputs | {
+        y.data_ptr()} else residual_out
+    return y, residual_out
+
+
+def install_fusion_pass(config: Any, group_name: str, *, log: bool = True) -> bool:
+    """Puts a ``PcieFusedAddRmsNormPass`` for ``group_name`` in vLLM's custom post-grad pass
+    slot of ``config`` (the config vLLM's worker compiles with). False, with one line, when
+    there is no config or the slot is already taken (the user's pass is kept)."""
+    if config is None or getattr(config, "compilation_config", None) is None:
+        return False
+    from vllm.platforms import current_platform
+
+    key = current_platform.pass_key
+    inductor = config.compilation_config.inductor_compile_config
+    held = inductor.get(key)
+    cls = fusion_pass_class()
+    if isinstance(held, cls):
+        return True
+    if held is not None:
+        if log:
+            logger.warning("pcie_allreduce: vLLM's inductor_compile_config[%r] already holds %r; "
+                           "the fused all-reduce + RMSNorm pass is not installed (the group's "
+                           "all-reduce is still served)", key, held)
+        return False
+    inductor[key] = cls(group_name)
+    if log:
+        logger.info("pcie_allreduce: vLLM's compiled graphs get all-reduce + residual add + "
+                    "RMSNorm fused for group %s (inductor_compile_config[%r])", group_name, key)
+    return True
+
+
+_PASS_CLASS: Any = None
+
+
+def fusion_pass_class() -> Any:
+    """``PcieFusedAddRmsNormPass``: :class:`FusedAddRmsNormRewrite` as a vLLM ``InductorPass``
+    (what vLLM's pass manager accepts), made on first use so that importing this module
+    imports nothing of vLLM."""
+    global _PASS_CLASS
+    if _PASS_CLASS is None:
+        from vllm.compilation.passes.inductor_pass import InductorPass
+
+        _PASS_CLASS = type("PcieFusedAddRmsNormPass", (FusedAddRmsNormRewrite, InductorPass),
+                           {"__module__": __name__})
+    return _PASS_CLASS
+
+
+class FusedAddRmsNormRewrite:
+    """A vLLM post-grad pass (as ``fusion_pass_class()``): every ``vllm.all_reduce(x,
+    group_name)`` over our group whose result only feeds ``vllm_ir.fused_add_rms_norm(sum, residual, weight, eps)`` becomes one
+    :data:`FUSED_OP` node (same outputs); ``vllm_ir.rms_norm(sum, weight, eps)`` becomes the
+    op with a zero residual (its ``residual_out`` is the sum, for the sum's other users).
+    Only weights of the input's dtype and no ``variance_size`` (what our op computes)."""
+
+    def __init__(self, group_name: str) -> None:
+        self.group_name = group_name
+        self.matched_count = 0
+
+    def uuid(self) -> Any:
+        return self.hash_dict({"source": self.hash_source(FusedAddRmsNormRewrite),
+                               "group": self.group_name})
+
+    def __call__(self, graph: Any) -> None:
+        import torch
+
+        all_reduce = torch.ops.vllm.all_reduce.default
+        add_norm = torch.ops.vllm_ir.fused_add_rms_norm.default
+        norm = torch.ops.vllm_ir.rms_norm.default
+        fused = define_fused_op()
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        matched = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in (add_norm, norm):
+                continue
+            args = _norm_args(node, with_residual=node.target is add_norm)
+            if args is None:
+                continue
+            summed, residual, weight, eps = args
+            if (getattr(summed, "target", None) is not all_reduce
+                    or _group_of(summed) != self.group_name
+                    or not _same_dtype(summed, weight)):
+                continue
+            others = [u for u in summed.users if u is not node]
+            if node.target is add_norm and others:
+                continue  # the sum is used elsewhere: the all-reduce stays
+            if any(order[u] < order[node] for u in others):
+                continue
+            x = summed.args[0]
+            with graph.inserting_before(node):
+                if residual is None:
+                    residual = graph.call_function(torch.ops.aten.zeros_like.default, (x,))
+                    residual.meta["val"] = x.meta.get("val")
+                out = graph.call_function(fused, (x, residual, weight, float(eps),
+                                                  self.group_name))
+            val = node.meta.get("val")
+            if node.target is add_norm:
+                out.meta["val"] = val
+                node.replace_all_uses_with(out)
+            else:
+                out.meta["val"] = (val, summed.meta.get("val"))
+                with graph.inserting_after(out):
+                    y = graph.call_function(operator.getitem, (out, 0))
+                    y.meta["val"] = val
+                with graph.inserting_after(y):
+                    total = graph.call_function(operator.getitem, (out, 1))
+                    total.meta["val"] = summed.meta.get("val")
+                node.replace_all_uses_with(y)
+                summed.replace_all_uses_with(total)
+            graph.erase_node(node)
+            graph.erase_node(summed)
+            matched += 1
+        self.matched_count = matched
+        if matched:
+            graph.lint()
+            logger.debug("pcie_allreduce: fused %d all-reduce + RMSNorm pattern(s)", matched)
+
+
+def _norm_args(node: Any, *, with_residual: bool) -> Any:
+    """(sum, residual or None, weight, eps) of a vllm_ir norm node, or None when it has a
+    ``variance_size`` or a missing weight (our op normalises the whole row with a weight)."""
+    names = (["x", "x_residual", "weight", "epsilon", "variance_size"] if with_residual
+             else ["x", "weight", "epsilon", "variance_size"])
+    values = dict(zip(names, node.args))
+    values.update(node.kwargs)
+    if values.get("variance_size") is not None or values.get("weight") is None:
+        return None
+    if "epsilon" not in values or "x" not in values:
+        return None
+    return (values["x"], values.get("x_residual"), values["weight"], values["epsilon"])
+
+
+def _group_of(node: Any) -> Optional[str]:
+    if len(node.args) > 1:
+        return node.args[1]
+    return node.kwargs.get("group_name")
+
+
+def _same_dtype(a: Any, b: Any) -> bool:
+    va, vb = getattr(a, "meta", {}).get("val"), getattr(b, "meta", {}).get("val")
+    return va is not None and vb is not None and va.dtype == vb.dtype

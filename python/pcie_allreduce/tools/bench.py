@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import policy
-from ..testing import DTYPES, count_wrong, rank_input
+from ..testing import DTYPES, count_wrong, fused_float64, rank_input
 from .ranks import GPU_TRANSPORTS, Rank, json_problem, run_ranks, set_up, transport_and_world
 
 
@@ -145,11 +145,114 @@ def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) 
         rows.append(row)
         if rank == 0:
             print(_format_row(row), flush=True)
+    _finish(r, rows, queue)
+
+
+def _finish(r: Rank, rows: List[Dict[str, Any]], queue: Any) -> None:
+    """Destroys the communicator and the group; rank 0 hands back its rows and stats."""
     stats = r.ar.stats()
+    rank = r.ar.rank
     r.ar.destroy()
     if rank == 0:
         queue.put({"rows": rows, "stats": stats})
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- --fused
+_EPS = 1e-6
+
+
+def _fused_wrong(r: Rank, y: torch.Tensor, res_out: torch.Tensor, xs: List[torch.Tensor],
+                 residual: torch.Tensor, weight: torch.Tensor, dtype_name: str) -> int:
+    """Elements of the fused result further from float64 than a few roundings of the dtype (at
+    least 1 if the ranks' bits differ)."""
+    y64, r64 = fused_float64(xs, residual.cpu(), weight.cpu(), _EPS)
+    ulp = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 2.0**-23}[dtype_name]
+    wrong = 0
+    for got, exact in ((y, y64), (res_out, r64)):
+        scale = exact.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+        wrong += int(((got.cpu().double() - exact).abs() > 4 * ulp * scale + 1e-6).sum().item())
+    as_int = torch.int16 if y.element_size() == 2 else torch.int32
+    bits = y.cpu().view(as_int).long().sum().item() + res_out.cpu().view(as_int).long().sum().item()
+    all_bits = [torch.zeros(1, dtype=torch.int64) for _ in range(r.world)]
+    dist.all_gather(all_bits, torch.tensor([bits], dtype=torch.int64), group=r.cpu_group)
+    return max(wrong, 1) if len({int(b.item()) for b in all_bits}) != 1 else wrong
+
+
+def _fused_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+    dtype_name, hidden = opts["dtype"], opts["hidden"]
+    dtype = DTYPES[dtype_name]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    row_bytes = hidden * elem
+    rows_list = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+                 if opts["min_bytes"] <= n * row_bytes <= opts["max_bytes"]]
+    r = set_up(rank, world, port, opts, max(rows_list) * hidden)
+    g = torch.Generator().manual_seed(12345)  # the residual stream and weight: replicated
+    weight = torch.randn(hidden, generator=g).to(dtype).to(r.device)
+    out = []
+    for rows in rows_list:
+        xs = [rank_input(q, rows * hidden, dtype).view(rows, hidden) for q in range(world)]
+        x = xs[rank].to(r.device)
+        residual = torch.randn(rows, hidden, generator=g).to(dtype).to(r.device)
+        y, res_out = r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
+        r.ar.synchronize()
+        wrong = _fused_wrong(r, y, res_out, xs, residual, weight, dtype_name)
+        scratch = x.clone()
+
+        def fused() -> None:
+            r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
+
+        def plain() -> None:
+            r.ar.all_reduce(x)
+
+        def unfused() -> None:
+            s = r.ar.all_reduce(x)
+            torch.nn.functional.rms_norm(s + residual, (hidden,), weight, _EPS)
+
+        def fallback() -> None:
+            scratch.copy_(x)
+            dist.all_reduce(scratch, group=r.group)
+            torch.nn.functional.rms_norm(scratch + residual, (hidden,), weight, _EPS)
+
+        # Interleaved, in rounds: a slow phase of the machine hits every variant alike.
+        times = {k: [] for k in ("fused", "plain", "unfused", "fallback")}
+        for _ in range(opts["rounds"]):
+            for name, fn in (("fused", fused), ("plain", plain), ("unfused", unfused),
+                             ("fallback", fallback)):
+                times[name].append(_seconds_per_call(r, fn, opts))
+        best = {k: min(v) for k, v in times.items()}
+        row = {"size": rows * row_bytes, "rows": rows, "hidden": hidden, "type": dtype_name,
+               "fused_us": best["fused"] * 1e6, "plain_us": best["plain"] * 1e6,
+               "unfused_us": best["unfused"] * 1e6, "fallback_us": best["fallback"] * 1e6,
+               "fused_over_plain": best["fused"] / best["plain"],
+               "unfused_over_fused": best["unfused"] / best["fused"],
+               "fallback_over_fused": best["fallback"] / best["fused"], "wrong": wrong,
+               "path": (r.ar.fused_decline_reason(x, residual, weight) or
+                        r.ar.chosen_tactic(x))}
+        out.append(row)
+        if rank == 0:
+            print(_format_fused_row(row), flush=True)
+    _finish(r, out, queue)
+
+
+def _format_fused_row(r: Dict[str, Any]) -> str:
+    return (f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['fused_us']:>9.2f} "
+            f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
+            f"{r['fused_over_plain']:>8.2f}x {r['unfused_over_fused']:>8.2f}x "
+            f"{r['fallback_over_fused']:>8.2f}x {r['wrong']:>6}  {r['path']}")
+
+
+def _print_fused_header(transport: str, world: int, dtype_name: str, hidden: int) -> None:
+    fallback = "nccl" if transport in GPU_TRANSPORTS else "gloo"
+    print(f"# pcie-allreduce bench --fused: transport={transport} world={world} "
+          f"dtype={dtype_name} hidden={hidden} fallback={fallback} host={platform.node()} "
+          f"cpus={os.cpu_count()} torch={torch.__version__}")
+    print("# fused: all_reduce_add_rms_norm; plain: our all_reduce alone; unfused: our "
+          f"all_reduce + torch add + rms_norm; fallback: {fallback} + torch add + rms_norm. "
+          "Best of interleaved rounds, us per call.")
+    print(f"# {'size(B)':>8} {'rows':>5} {'type':>5} {'fused':>9} {'plain':>9} {'unfused':>9} "
+          f"{'fallback':>9} {'fus/plain':>9} {'unf/fus':>9} {'fb/fus':>9} {'#wrong':>6}  path",
+          flush=True)
 
 
 def _format_row(r: Dict[str, Any]) -> str:
@@ -164,6 +267,15 @@ def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
     """What is wrong with the size range, --table or --json, found before any rank starts."""
     if args.min_bytes > args.max_bytes:
         return "--min-bytes exceeds --max-bytes"
+    if getattr(args, "fused", False):
+        row = args.hidden * DTYPES[args.dtype].itemsize
+        if args.hidden < 1 or row % 16:
+            return (f"--hidden {args.hidden}: a row of {args.dtype} must be a positive multiple "
+                    "of 16 bytes")
+        if not any(args.min_bytes <= n * row <= args.max_bytes for n in
+                   (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)):
+            return (f"no batch of 1, 2, 4, ... 1024 rows of {row} bytes lies in --min-bytes "
+                    f"{args.min_bytes} .. --max-bytes {args.max_bytes}")
     elem = DTYPES[args.dtype].itemsize
     if not sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem):
         return (
@@ -210,8 +322,13 @@ def main(args: argparse.Namespace) -> int:
         "table": args.table,
         "graph": args.graph,
     }
-    _print_header(transport, world, args.dtype)
-    result = run_ranks(world, opts, _worker)
+    if args.fused:
+        opts["hidden"], opts["rounds"] = args.hidden, 5
+        _print_fused_header(transport, world, args.dtype, args.hidden)
+        result = run_ranks(world, opts, _fused_worker)
+    else:
+        _print_header(transport, world, args.dtype)
+        result = run_ranks(world, opts, _worker)
     if result is None:
         return 1
     wrong = sum(r["wrong"] for r in result["rows"])

@@ -70,7 +70,8 @@ cpu_device::LaunchStatus CpuDeviceGroup::launch(int schedule_id, const plan::Tac
                                                 const std::vector<const void*>& inputs,
                                                 const std::vector<void*>& outputs, int64_t numel,
                                                 const cpu_device::DeviceOptions& options,
-                                                int first_rank, int count, uint32_t signature) {
+                                                int first_rank, int count, uint32_t signature,
+                                                const std::vector<plan::EpilogueArgs>* epilogue) {
   const Uploaded& up = schedules_.at(schedule_id);
   if (count < 0) count = layout_.world - first_rank;
   if (static_cast<int>(inputs.size()) != layout_.world ||
@@ -93,9 +94,12 @@ cpu_device::LaunchStatus CpuDeviceGroup::launch(int schedule_id, const plan::Tac
   view.timeout_ns = timeout_to_ns(timeout_s_);
   view.slots_in_host_memory = placement_ == Placement::kHost;
   if (signature == 0) signature = plan::call_signature(dtype, tactic);
-  const LaunchParams p =
+  LaunchParams p =
       make_launch_params(view, programs, dtype, tactic.blocks, tactic.threads, inputs.data(),
                          outputs.data(), numel, signature, first_rank, count);
+  for (int r = first_rank; epilogue != nullptr && r < first_rank + count; ++r) {
+    set_epilogue(p, r, epilogue->at(r));
+  }
   return cpu_device::launch_executor(p, options);
 }
 

@@ -34,7 +34,7 @@ CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
 # failure paths). A mutant is killed when either fails.
 SUITES = ("Loopback/CpuDeviceExecutor.*",
           "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*:"
-          "CpuDeviceSignedZeros.*")
+          "CpuDeviceSignedZeros.*:Fused/CpuDeviceEpilogue.*")
 LIMIT_S = 900
 
 
@@ -104,6 +104,23 @@ MUTANTS = [
            "      for (int j = 0; j < N; ++j) exchange_headers(p, c, s + j, program.steps[s + j]);\n",
            "      (void)0;\n",
            "a lamport fan-out sends no headers: its readers never learn which call the data is of"),
+    Mutant("epilogue_without_barrier", EXECUTOR,
+           "  meet_rank_ctas(p, c, s, program.steps[s]);\n",
+           "  (void)s;\n",
+           "the epilogue reads whole rows before the rank's other CTAs have summed their slices"),
+    Mutant("epilogue_barrier_does_not_wait", EXECUTOR,
+           "    while (!plan::gen_reached(seen, c.gen)) {\n",
+           "    while (false) {\n",
+           "the rank's CTAs announce their slices done but do not wait for each other"),
+    Mutant("epilogue_fuses_multiply_add", EXECUTOR,
+           "        for (int e = 0; e < kElems; ++e) acc[e] = add_rn(acc[e], mul_rn(a[e], a[e]));\n",
+           "        for (int e = 0; e < kElems; ++e) acc[e] = std::fma(a[e], a[e], acc[e]);\n",
+           "the mean of squares contracts into FMAs: the bits differ from the host's (and from "
+           "plan/epilogue.h's order)"),
+    Mutant("epilogue_partials_transposed", EXECUTOR,
+           "      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];\n",
+           "      for (int e = 0; e < kElems; ++e) partials[e * kPositions + j] = acc[e];\n",
+           "the partials enter the tree in another order: a row's norm depends on the layout"),
     Mutant("wrong_parity", EXECUTOR,
            "  c.parity = plan::gen_parity(c.gen);\n",
            "  c.parity = 0;\n",

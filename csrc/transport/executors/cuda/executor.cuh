@@ -18,6 +18,7 @@
 
 #include <cstddef>
 
+#include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
@@ -653,6 +654,113 @@ __device__ __forceinline__ void finish_call(const LaunchParams& p, const Call& c
   }
 }
 
+// ------------------------------------------------------------------ the fused epilogue
+
+// The epilogue's barrier, on the generation counters (this GPU's memory on every transport: only
+// the rank reads them): CTA b's counter takes this call's generation once its slices of the
+// output are done (the CTA barrier orders every thread's stores before thread 0's release), one
+// thread per CTA acquires each other CTA's, then the CTA barrier. Nothing else reads a counter of
+// [0, gridDim.x) during the call: each CTA read its own at the start, and finish_call() stores
+// the same generation again. Local polls only; bounded like every wait (a CTA stuck on a peer
+// times out there first, naming the peer).
+__device__ __forceinline__ void meet_rank_ctas(const LaunchParams& p, const Call& c, int step_index,
+                                               const plan::Step& step) {
+  uint8_t* counters = p.counters[c.rank];
+  __syncthreads();
+  if (thread_index() == 0) {
+    store_release_gpu_u64(counters + p.layout.gen_counter_offset(c.block), c.gen);
+  }
+  for (int b = thread_index(); b < static_cast<int>(gridDim.x); b += blockDim.x) {
+    const uint8_t* word = counters + p.layout.gen_counter_offset(b);
+    uint64_t seen = load_acquire_gpu_u64(word);
+    const uint64_t start = global_timer_ns();
+    uint32_t polls = 0;
+    while (!plan::gen_reached(seen, c.gen)) {
+      if (++polls == kPollsPerClockCheck) {
+        polls = 0;
+        if (p.timeout_ns != 0 && global_timer_ns() - start > p.timeout_ns) {
+          fail(p, plan::make_diagnostic(plan::FailureKind::kTimeout, position(p, c), step_index,
+                                        step, plan::FlagSeen{seen}));
+        }
+      }
+      seen = load_acquire_gpu_u64(word);
+    }
+  }
+  __syncthreads();
+}
+
+// Rows c.block, c.block + gridDim.x, ... of this rank's output (plan/epilogue.h): the CTA owns a
+// row. Vector position j (of kNormPartials / elements-per-vector) holds the partials of elements
+// j * kElems + e, so thread j's accumulators are exactly partials q = j * kElems + e, summed over
+// the row's vectors j, j + positions, ... in ascending order; the tree runs in shared memory. A
+// thread reads back only what it stored itself (residual_out), so the passes need no barrier
+// beyond the tree's.
+template <typename T>
+__device__ __forceinline__ void epilogue_rows(const LaunchParams& p, const Call& c) {
+  using M = VecMath<T>;
+  constexpr int kElems = M::kElems;
+  constexpr int kPositions = plan::kNormPartials / kElems;
+  __shared__ float partials[plan::kNormPartials];
+  const int row_vecs =
+      static_cast<int>(p.hidden * static_cast<int64_t>(sizeof(T)) / plan::kVectorBytes);
+  const int64_t rows = p.numel / p.hidden;
+  uint4* out = static_cast<uint4*>(p.outputs[c.rank]);
+  const uint4* residual = static_cast<const uint4*>(p.residuals[c.rank]);
+  uint4* residual_out = static_cast<uint4*>(p.residual_outs[c.rank]);
+  const uint4* weight = static_cast<const uint4*>(p.weights[c.rank]);
+  for (int64_t row = c.block; row < rows; row += gridDim.x) {
+    const int64_t base = row * row_vecs;
+    for (int j = thread_index(); j < kPositions; j += blockDim.x) {
+      float acc[kElems];
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[e] = 0.0f;
+      for (int v = j; v < row_vecs; v += kPositions) {
+        float a[kElems];
+        float b[kElems];
+        M::widen(load_cg(out + base + v), a);
+        M::widen(load_cg(residual + base + v), b);
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) a[e] = add_rn(a[e], b[e]);
+        const uint4 r = M::narrow(a);
+        store_cg(residual_out + base + v, r);
+        M::widen(r, a);
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[e] = add_rn(acc[e], mul_rn(a[e], a[e]));
+      }
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];
+    }
+    __syncthreads();
+    for (int h = plan::kNormPartials / 2; h >= 1; h /= 2) {
+      for (int q = thread_index(); q < h; q += blockDim.x) {
+        partials[q] = add_rn(partials[q], partials[q + h]);
+      }
+      __syncthreads();
+    }
+    const float mean = div_rn(partials[0], static_cast<float>(p.hidden));
+    const float rstd = div_rn(1.0f, sqrt_rn(add_rn(mean, p.eps)));
+    for (int j = thread_index(); j < kPositions; j += blockDim.x) {
+      for (int v = j; v < row_vecs; v += kPositions) {
+        float a[kElems];
+        float w[kElems];
+        M::widen(load_cg(residual_out + base + v), a);
+        M::widen(load_cg(weight + v), w);
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) a[e] = mul_rn(mul_rn(a[e], rstd), w[e]);
+        store_cg(out + base + v, M::narrow(a));
+      }
+    }
+    __syncthreads();  // partials[0] read by every thread before the next row's partials
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void run_epilogue(const LaunchParams& p, const Call& c,
+                                             const plan::Program& program, int s) {
+  meet_rank_ctas(p, c, s, program.steps[s]);
+  epilogue_rows<T>(p, c);
+}
+
 template <typename T, plan::Direction D>
 __global__ void __launch_bounds__(kMaxThreads)
     executor_kernel(const __grid_constant__ LaunchParams p) {
@@ -713,6 +821,9 @@ __global__ void __launch_bounds__(kMaxThreads)
         s += n - 1;
         break;
       }
+      case plan::StepKind::kEpilogue:
+        run_epilogue<T>(p, c, program, s);
+        break;
     }
   }
   allow_dependent_grids();

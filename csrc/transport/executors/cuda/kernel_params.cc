@@ -38,6 +38,14 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
   return p;
 }
 
+void set_epilogue(LaunchParams& p, int rank, const plan::EpilogueArgs& args) {
+  p.residuals[rank] = args.residual;
+  p.residual_outs[rank] = args.residual_out;
+  p.weights[rank] = args.weight;
+  p.hidden = args.hidden;
+  p.eps = args.eps;
+}
+
 uint64_t timeout_to_ns(double timeout_s) {
   if (!std::isfinite(timeout_s) || timeout_s < 0) {
     throw std::invalid_argument(

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 
+#include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
@@ -46,6 +47,13 @@ struct LaunchParams {
   // Some rank's slots are in host memory (cuda_host, or a loopback slab placed there): push
   // reads of slots must not trust L2 (see run_reduce in executor.cuh).
   bool slots_in_host_memory = false;
+  // The fused epilogue (plan/epilogue.h), read only by a program that ends with one: per rank
+  // like inputs/outputs; hidden 0 otherwise.
+  const void* residuals[plan::kMaxWorld] = {};
+  void* residual_outs[plan::kMaxWorld] = {};
+  const void* weights[plan::kMaxWorld] = {};
+  int64_t hidden = 0;
+  float eps = 0.0f;
 };
 
 // The fixed half of a workspace's launches: where the slabs are and where failures go.
@@ -74,6 +82,10 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
                                 plan::DType dtype, int blocks, int threads,
                                 const void* const* inputs, void* const* outputs, int64_t numel,
                                 uint32_t signature, int first_rank, int ranks_in_launch);
+
+// Gives rank `rank` of the launch the fused epilogue's tensors (every launched rank the same
+// hidden and eps).
+void set_epilogue(LaunchParams& p, int rank, const plan::EpilogueArgs& args);
 
 // Seconds to the kernel's nanoseconds; throws std::invalid_argument if negative or not finite.
 uint64_t timeout_to_ns(double timeout_s);

@@ -112,9 +112,10 @@ void CudaKernelWorkspace::run(const Call& call) {
   void* outputs[plan::kMaxWorld] = {};
   inputs[rank()] = call.input;
   outputs[rank()] = call.output;
-  const LaunchParams p =
+  LaunchParams p =
       make_launch_params(view_, programs_[call.program], call.dtype, call.blocks, call.threads,
                          inputs, outputs, call.numel, call.signature, rank(), 1);
+  if (call.epilogue.hidden > 0) set_epilogue(p, rank(), call.epilogue);
   DeviceGuard guard(device_);
   const auto stream = static_cast<cudaStream_t>(call.stream);
   order_.before_call(stream);

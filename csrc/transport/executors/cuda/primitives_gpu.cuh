@@ -106,6 +106,18 @@ __device__ __forceinline__ void store_volatile_u64(void* ptr, uint64_t v) {
   asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+// The fused epilogue's meeting of a rank's CTAs on their generation counters (this GPU's memory,
+// read by this GPU only): GPU scope is the whole audience.
+__device__ __forceinline__ void store_release_gpu_u64(void* ptr, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_acquire_gpu_u64(const void* ptr) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
 // ------------------------------------------------------------------ LL (flag-in-data)
 
 // An LL vector is {payload, tag, payload, tag}. Loads bypass L1 (peers write these words over
@@ -244,6 +256,10 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // One fp32 add, round to nearest even; a NaN sum is the canonical quiet NaN (0x7fffffff).
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+// The fused epilogue's other operations (plan/epilogue.h), each rounded once: never contracted.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
 
 // How one 16-byte vector of T widens to fp32 and narrows back with one round-to-nearest-even.
 template <typename T>

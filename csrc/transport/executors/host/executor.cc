@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "transport/executors/host/epilogue.h"
 #include "transport/executors/host/reduce.h"
 
 namespace pcie_ar::transport {
@@ -154,6 +155,8 @@ class BlockPass {
         case StepKind::kWait:
           wait_flag(index, step);
           break;
+        case StepKind::kEpilogue:
+          break;  // HostExecutor::run, once every slice is done (the slices run in turn)
       }
     }
   }
@@ -471,6 +474,10 @@ void HostExecutor::run(const std::vector<uint8_t*>& bases, const plan::Layout& l
       const BlockPass pass(bases, layout, programs_[call.program], call, rank, block, budget, hook);
       pass.run_steps(reduce);
       pass.finish_call();
+    }
+    const plan::Program& program = programs_[call.program];
+    if (program.num_steps > 0 && program.steps[program.num_steps - 1].kind == StepKind::kEpilogue) {
+      run_epilogue(call.dtype, call.output, call.numel, call.epilogue);
     }
   } catch (const TransportFailure& e) {
     failure_ = e.diagnostic();

@@ -212,6 +212,12 @@ void schedule(Cta& cta) {
       }
     }
     detail::deliver_some_observed(cta);
+    // A thread waiting at a barrier still drains its stores, in no order, as a GPU's do: held
+    // until every thread arrived, they could be what another CTA waits for before its threads
+    // arrive at theirs (the fused epilogue's CTAs meet while peers still read their LL words).
+    for (Thread& thread : cta.threads) {
+      if (thread.run == Run::kAtBarrier) detail::deliver_some(cta, thread);
+    }
     // Ranks and CTAs usually outnumber the cores: a pass of polls gives the core away.
     std::this_thread::yield();
   }

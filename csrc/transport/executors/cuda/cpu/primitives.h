@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -115,6 +116,18 @@ inline uint64_t load_volatile_u64(const void* ptr) {
 
 inline void store_volatile_u64(void* ptr, uint64_t v) { cpu_device::store(ptr, &v, sizeof(v)); }
 
+inline void store_release_gpu_u64(void* ptr, uint64_t v) {
+  cpu_device::store_release(ptr, &v, sizeof(v));
+}
+
+// A poll, like a flag load.
+inline uint64_t load_acquire_gpu_u64(const void* ptr) {
+  cpu_device::poll();
+  uint64_t v;
+  cpu_device::load(ptr, &v, sizeof(v));
+  return v;
+}
+
 // ------------------------------------------------------------------ LL (flag-in-data)
 
 // A poll, like a flag load.
@@ -170,6 +183,11 @@ inline uint64_t global_timer_ns() {
 // ------------------------------------------------------------------ fp32 accumulation
 
 inline float add_rn(float a, float b) { return canonical_nan(a + b); }
+// Built with -ffp-contract=off (the CPU device's executor unit), so a product is never fused
+// into an add, as on the GPU.
+inline float mul_rn(float a, float b) { return canonical_nan(a * b); }
+inline float div_rn(float a, float b) { return canonical_nan(a / b); }
+inline float sqrt_rn(float a) { return canonical_nan(std::sqrt(a)); }
 
 template <typename T>
 struct VecMath;

@@ -1,0 +1,250 @@
+"""The fused all-reduce + residual add + RMSNorm (issue 24) on the host shared-memory transport:
+real processes, real shared memory, real gloo groups. Every tactic's fused result is, bit for
+bit, plan/epilogue.h's arithmetic applied to the plain all-reduce's result (the host executor's
+epilogue), within rounding of a float64 reference, the same on every rank, and the same for a row
+whatever batch it is in; declined calls give the same bits through the unfused path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_ranks
+from pcie_allreduce.testing import DTYPES, fused_float64, fused_in_order, rank_input
+
+ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
+SHAPES = [(d, st, "flag") for d in ("push", "pull") for st in (True, False)] + [
+    ("push", False, "ll"), ("push", False, "lamport")]
+EPS = 1e-6
+
+
+def one_row(algorithm, direction, staged, blocks, protocol):
+    return f"*,*,*,0,*,{algorithm},{direction},{int(staged)},{blocks},64,{protocol}\n"
+
+
+def replicated(shape, dtype, seed):
+    """The residual stream and the weight: the same on every rank, as in a model."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def same_bits_everywhere(t: torch.Tensor) -> bool:
+    mine = t.contiguous().view(torch.uint8).clone()
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(everyone[0], e) for e in everyone)
+
+
+def within_rounding(got: torch.Tensor, exact: torch.Tensor, dtype_name: str) -> bool:
+    """|got - exact| within a few roundings of the dtype (the sum, the add, the output) plus the
+    fp32 norm's, relative to the row's scale."""
+    ulp = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 2.0**-23}[dtype_name]
+    scale = exact.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+    return bool(((got.double() - exact).abs() <= 4 * ulp * scale + 1e-6).all())
+
+
+def _every_tactic(rank, world, hidden, rows):
+    from pcie_allreduce import PcieAllReduce
+
+    islands = [list(range(world // 2)), list(range(world // 2, world))] if world >= 4 else None
+    numel = hidden * rows
+    checked = 0
+    for algorithm in ALGORITHMS:
+        if algorithm.startswith("island") and islands is None:
+            continue
+        for direction, staged, protocol in SHAPES:
+            table = one_row(algorithm, direction, staged, 1 if staged else 2, protocol)
+            with PcieAllReduce(None, "cpu", max_numel=numel, table=table, islands=islands) as ar:
+                for dtype_name, dtype in DTYPES.items():
+                    xs = [rank_input(r, numel, dtype, seed=5).view(rows, hidden)
+                          for r in range(world)]
+                    x = xs[rank]
+                    residual = replicated((rows, hidden), dtype, 11)
+                    weight = replicated((hidden,), dtype, 13)
+                    before = (x.clone(), residual.clone())
+                    assert ar.fused_decline_reason(x, residual, weight) is None
+                    y, res_out = ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+                    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+                    # Bit for bit: plan/epilogue.h on the same tactic's plain all-reduce.
+                    y_ref, r_ref = fused_in_order(ar.all_reduce(x), residual, weight, EPS)
+                    label = f"{algorithm}/{direction}/{protocol} {dtype_name}"
+                    assert torch.equal(res_out, r_ref), f"{label}: residual_out"
+                    assert torch.equal(y, y_ref), f"{label}: y"
+                    y64, r64 = fused_float64(xs, residual, weight, EPS)
+                    assert within_rounding(res_out, r64, dtype_name), label
+                    assert within_rounding(y, y64, dtype_name), label
+                    assert same_bits_everywhere(y) and same_bits_everywhere(res_out), label
+                    checked += 1
+                stats = ar.stats()
+                assert sum(stats["fused_calls"].values()) == len(DTYPES), stats
+                assert "unfused" not in stats["fused_calls"], stats
+    return checked
+
+
+@pytest.mark.parametrize("world,hidden,rows", [(2, 4096, 3), (4, 2056, 2)])
+def test_every_tactic_fused_is_the_epilogue_of_its_all_reduce_bit_for_bit(world, hidden, rows,
+                                                                          clean_shm):
+    counts = run_ranks(_every_tactic, world, hidden, rows, timeout=600).values()
+    assert counts[0] > 0 and len(set(counts)) == 1
+
+
+def _batch_invariant(rank, world):
+    from pcie_allreduce import PcieAllReduce
+
+    hidden, most = 4096, 256
+    dtype = torch.bfloat16
+    # The seed table decides every size (its tactics change with the size on the way to 256
+    # rows), and the workspace holds 200 rows: larger batches take the unfused path.
+    with PcieAllReduce(None, "cpu", max_numel=200 * hidden) as ar:
+        x = rank_input(rank, most * hidden, dtype, seed=9).view(most, hidden)
+        residual = replicated((most, hidden), dtype, 21)
+        weight = replicated((hidden,), dtype, 22)
+        y_all, r_all = ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        paths = set()
+        for rows in (1, 2, 3, 7, 16, 64, 100, 200, 255):
+            for start in (0, most - rows):
+                part = slice(start, start + rows)
+                paths.add(ar.fused_decline_reason(x[part], residual[part], weight) or "fused")
+                y, r = ar.all_reduce_add_rms_norm(x[part], residual[part], weight, EPS)
+                assert torch.equal(y, y_all[part]), f"rows {part}: y differs from the 256-row batch"
+                assert torch.equal(r, r_all[part]), f"rows {part}: residual_out differs"
+        paths.add(ar.fused_decline_reason(x, residual, weight) or "fused")
+        tactics = {ar.chosen_tactic(x[:n]) for n in (1, 16, 200)}
+        return sorted(paths), sorted(tactics), ar.stats()["fused_calls"]
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(clean_shm):
+    paths, tactics, calls = run_ranks(_batch_invariant, 2, timeout=600)[0]["value"]
+    # Both paths were crossed: the kernels and the unfused path agree bit for bit.
+    assert paths == ["fused", "too_large"], paths
+    assert calls["unfused"] >= 1 and sum(calls.values()) > calls["unfused"], calls
+
+
+def _declines(rank, world):
+    from pcie_allreduce import PcieAllReduce
+
+    dtype = torch.bfloat16
+    out = {}
+    with PcieAllReduce(None, "cpu", max_numel=4 * 4096, dtypes=("bf16", "fp32")) as ar:
+        cases = {
+            # 4100 bf16 elements are 8200 bytes: not whole 16-byte vectors.
+            "hidden": (2, 4100, dtype, dtype),
+            "weight_dtype": (2, 4096, dtype, torch.float32),
+            "too_large": (8, 4096, dtype, dtype),
+            "dtype": (2, 4096, torch.float16, torch.float16),
+        }
+        for name, (rows, hidden, xdtype, wdtype) in cases.items():
+            x = rank_input(rank, rows * hidden, xdtype, seed=4).view(rows, hidden)
+            residual = replicated((rows, hidden), xdtype, 31)
+            weight = replicated((hidden,), wdtype, 32)
+            before = (x.clone(), residual.clone())
+            out[name] = ar.fused_decline_reason(x, residual, weight)
+            assert not ar.should_use_fused(x, residual, weight)
+            y, r = ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+            assert torch.equal(x, before[0]) and torch.equal(residual, before[1]), name
+            total = x.clone()
+            dist.all_reduce(total)
+            y_ref, r_ref = fused_in_order(total, residual, weight.to(xdtype) if name != "weight_dtype"
+                                          else weight, EPS)
+            assert torch.equal(r, r_ref), f"{name}: residual_out"
+            if name != "weight_dtype":
+                assert torch.equal(y, y_ref), f"{name}: y"
+            y64, r64 = fused_float64([rank_input(q, rows * hidden, xdtype, seed=4).view(rows, hidden)
+                                      for q in range(world)], residual, weight, EPS)
+            assert within_rounding(y, y64, "bf16"), name
+        stats = ar.stats()
+    return out, stats["fused_declines"], stats["fused_calls"]
+
+
+def test_declined_fused_calls_say_why_and_return_the_same_result(clean_shm):
+    reasons, declines, calls = run_ranks(_declines, 2)[0]["value"]
+    assert reasons == {"hidden": "hidden", "weight_dtype": "dtype", "too_large": "too_large",
+                       "dtype": "dtype"}
+    assert declines == {"hidden": 1, "dtype": 2, "too_large": 1}
+    assert calls == {"unfused": 4}
+
+
+def _in_place_and_bad_arguments(rank, world):
+    from pcie_allreduce import PcieAllReduce
+
+    dtype = torch.bfloat16
+    rows, hidden = 2, 1024
+    errors = {}
+    with PcieAllReduce(None, "cpu", max_numel=rows * hidden) as ar:
+        x = rank_input(rank, rows * hidden, dtype, seed=6).view(rows, hidden)
+        residual = replicated((rows, hidden), dtype, 41)
+        weight = replicated((hidden,), dtype, 42)
+        y_ref, r_ref = ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        # In place, as the engines' fused_add_rms_norm: y into x, residual_out into residual.
+        xi, ri = x.clone(), residual.clone()
+        y, r = ar.all_reduce_add_rms_norm(xi, ri, weight, EPS, out=xi, residual_out=ri)
+        assert y is xi and r is ri and torch.equal(xi, y_ref) and torch.equal(ri, r_ref)
+        # One in place, one given; and both given.
+        xi, out_r = x.clone(), torch.empty_like(residual)
+        ar.all_reduce_add_rms_norm(xi, residual, weight, EPS, out=xi, residual_out=out_r)
+        assert torch.equal(xi, y_ref) and torch.equal(out_r, r_ref)
+        out_y, out_r = torch.empty_like(x), torch.empty_like(residual)
+        ar.all_reduce_add_rms_norm(x, residual, weight, EPS, out=out_y, residual_out=out_r)
+        assert torch.equal(out_y, y_ref) and torch.equal(out_r, r_ref)
+        # Strided operands are staged; the path and the bits stay.
+        wide = torch.zeros(rows, 2 * hidden, dtype=dtype)
+        wide[:, ::2] = x
+        y, r = ar.all_reduce_add_rms_norm(wide[:, ::2], residual, weight, EPS)
+        assert torch.equal(y, y_ref) and torch.equal(r, r_ref)
+        assert ar.stats()["staged"] >= 1
+        bad = {
+            "residual_shape": (x, residual[:1], weight, {}),
+            "weight_shape": (x, residual, weight[:-8], {}),
+            "out_overlaps_residual": (x, residual, weight, {"out": residual}),
+            "residual_out_is_x": (x, residual, weight, {"residual_out": x}),
+        }
+        for name, (a, b, w, kw) in bad.items():
+            try:
+                ar.all_reduce_add_rms_norm(a, b, w, EPS, **kw)
+                errors[name] = "no error"
+            except (ValueError, RuntimeError) as e:
+                errors[name] = str(e)
+        # Nothing ran for the refused calls: the ranks are still in step.
+        y, _ = ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        assert torch.equal(y, y_ref)
+    return errors
+
+
+def test_in_place_variants_and_bad_arguments(clean_shm):
+    errors = run_ranks(_in_place_and_bad_arguments, 2)[0]["value"]
+    assert "residual must have x's dtype, shape and device" in errors["residual_shape"]
+    assert "weight must be [hidden] = [1024]" in errors["weight_shape"]
+    assert "may not overlap" in errors["out_overlaps_residual"]
+    assert "may not overlap" in errors["residual_out_is_x"]
+
+
+def _opcheck(rank, world):
+    from pcie_allreduce import PcieAllReduce
+
+    ops = torch.ops.pcie_allreduce
+    with PcieAllReduce(None, "cpu", max_numel=4096) as ar:
+        x = rank_input(rank, 2 * 256, torch.float32).view(2, 256)
+        residual = replicated((2, 256), torch.float32, 51)
+        weight = replicated((256,), torch.float32, 52)
+        torch.library.opcheck(ops.all_reduce_add_rms_norm.default,
+                              (x, residual, weight, EPS, ar.handle))
+        torch.library.opcheck(ops.all_reduce_add_rms_norm_.default,
+                              (x.clone(), residual.clone(), weight, EPS, ar.handle))
+        torch.library.opcheck(ops.all_reduce_add_rms_norm_into.default,
+                              (x, residual, weight, EPS, ar.handle, torch.empty_like(x),
+                               torch.empty_like(residual)))
+
+        @torch.compile(fullgraph=True, backend="aot_eager")
+        def layer_end(h, res):
+            y, r = ops.all_reduce_add_rms_norm(h * 2, res, weight, EPS, ar.handle)
+            return y + 1, r
+
+        y, r = layer_end(x, residual)
+        y_ref, r_ref = ar.all_reduce_add_rms_norm(x * 2, residual, weight, EPS)
+        assert torch.equal(y, y_ref + 1) and torch.equal(r, r_ref)
+    return True
+
+
+def test_fused_ops_pass_opcheck_and_trace_under_torch_compile(clean_shm):
+    run_ranks(_opcheck, 2, timeout=400)
