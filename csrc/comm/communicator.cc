@@ -572,6 +572,7 @@ void Communicator::all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor
   epilogue.eps = static_cast<float>(eps);
   Decision fused = *decision;
   fused.program = decision->fused_program;
+  fused.signature = plan::call_signature(dtype, decision->tactic, /*fused=*/true);
   run_kernels(fused, dtype, src, dst, &epilogue);
   ++fused_calls_[plan::tactic_label(decision->tactic)];
   if (!dst.is_same(out)) out.copy_(dst);

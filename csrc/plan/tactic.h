@@ -92,6 +92,9 @@ std::string tactic_label(const Tactic& tactic);
 
 // A 32-bit code for (numel, dtype, tactic) written beside every flag, so a reader detects a
 // peer that entered the same generation with a different call instead of reducing garbage.
-uint32_t call_signature(DType dtype, const Tactic& tactic);
+// `fused`: the call is all_reduce_add_rms_norm (top byte 0xF5, else 0xA5), so a rank in the fused
+// call and a peer in the plain all-reduce of the same tensor fail as a mismatch naming each
+// other, instead of each returning something the other did not compute.
+uint32_t call_signature(DType dtype, const Tactic& tactic, bool fused = false);
 
 }  // namespace pcie_ar::plan

@@ -897,6 +897,8 @@ TEST(Tactic, NamesRoundTripAndSignaturesDiffer) {
   u.blocks = 2;
   EXPECT_NE(call_signature(DType::kBF16, t), call_signature(DType::kBF16, u));
   EXPECT_NE(call_signature(DType::kBF16, t), call_signature(DType::kFP16, t));
+  // The fused call (all_reduce_add_rms_norm) is another call than the plain one of its tensor.
+  EXPECT_NE(call_signature(DType::kBF16, t, /*fused=*/true), call_signature(DType::kBF16, t));
   u = t;
   u.threads = 512;  // threads do not change what peers see
   EXPECT_EQ(call_signature(DType::kBF16, t), call_signature(DType::kBF16, u));

@@ -248,3 +248,38 @@ def _opcheck(rank, world):
 
 def test_fused_ops_pass_opcheck_and_trace_under_torch_compile(clean_shm):
     run_ranks(_opcheck, 2, timeout=400)
+
+
+def _fused_against_plain(rank, world, protocol):
+    import time
+
+    from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
+
+    table = one_row("oneshot", "push", False, 1, protocol)
+    ar = PcieAllReduce(None, "cpu", max_numel=4096, table=table, timeout_s=2.0)
+    x = rank_input(rank, 4096, torch.bfloat16).view(4, 1024)
+    residual = replicated((4, 1024), torch.bfloat16, 61)
+    weight = replicated((1024,), torch.bfloat16, 62)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        else:
+            ar.all_reduce(x)
+    except PcieAllReduceTimeout as e:
+        return {"elapsed": time.monotonic() - start, "message": str(e), "diag": e.diagnostic}
+    finally:
+        ar.destroy()
+    return {"elapsed": time.monotonic() - start, "message": "no error"}
+
+
+@pytest.mark.parametrize("protocol", ["flag", "ll", "lamport"])
+def test_a_rank_in_the_fused_call_and_a_peer_in_the_plain_one_fail_naming_each_other(protocol,
+                                                                                     clean_shm):
+    """Same tensor, same tactic, same generation: the steps would pair up and each rank return
+    what the other did not compute. The fused call's signature differs, so both fail at once."""
+    for rank, res in enumerate(run_ranks(_fused_against_plain, 2, protocol, timeout=120).values()):
+        assert res["message"] != "no error", rank
+        assert res["elapsed"] < 10
+        assert res["diag"]["kind"] in ("mismatch", "ll_mismatch", "timeout"), res["diag"]
+        assert res["diag"]["peer"] == 1 - rank, res["diag"]
