@@ -34,7 +34,7 @@ CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
 # failure paths). A mutant is killed when either fails.
 SUITES = ("Loopback/CpuDeviceExecutor.*",
           "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*:"
-          "CpuDeviceSignedZeros.*:Fused/CpuDeviceEpilogue.*")
+          "CpuDeviceSignedZeros.*:Fused/CpuDeviceEpilogue.*:CpuDeviceEpilogueOrder.*")
 LIMIT_S = 900
 
 
@@ -106,7 +106,7 @@ MUTANTS = [
            "a lamport fan-out sends no headers: its readers never learn which call the data is of"),
     Mutant("epilogue_without_barrier", EXECUTOR,
            "  meet_rank_ctas(p, c, s, program.steps[s]);\n",
-           "  (void)s;\n",
+           "  (void)s;\n  (void)program;\n",
            "the epilogue reads whole rows before the rank's other CTAs have summed their slices"),
     Mutant("epilogue_barrier_does_not_wait", EXECUTOR,
            "    while (!plan::gen_reached(seen, c.gen)) {\n",

@@ -6,6 +6,7 @@
 // its rank has finished its slices (weak memory delivers the others' stores late otherwise).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <ostream>
@@ -154,6 +155,67 @@ INSTANTIATE_TEST_SUITE_P(Fused, CpuDeviceEpilogue, testing::ValuesIn(cases()),
                          [](const testing::TestParamInfo<EpilogueCase>& info) {
                            return std::string(info.param.world.name) + mode_name(info.param.mode);
                          });
+
+// Rows whose only non-zero elements share one partial (every 2048th): a row's total is that
+// partial, so one rounding of one of its 32 terms more or less (a multiply-add contracted into an
+// FMA, another order) changes rstd and every y of the row. In the matrix above such a difference
+// is usually lost in the total's own rounding. fp32, so the squares are inexact; the test first
+// checks that its data tells an FMA from a multiply and an add.
+TEST(CpuDeviceEpilogueOrder, RowsHeldByOnePartialShowEveryRounding) {
+  const int world = 2;
+  const int64_t hidden = 32 * plan::kNormPartials;
+  const int64_t rows = 8;
+  const int64_t numel = rows * hidden;
+  const plan::Layout layout = plan::make_layout(numel, world, 4);
+  CpuDeviceGroup group(layout, Placement::kDevice);
+  const plan::Schedule plain_schedule =
+      plan::build_schedule(plan::Algorithm::kOneshot, plan::Direction::kPush, false, world);
+  const int plain = group.add_schedule(plain_schedule);
+  const int fused = group.add_schedule(plan::with_epilogue(plain_schedule));
+  plan::Tactic tactic;
+  tactic.algorithm = plan::Algorithm::kOneshot;
+  tactic.blocks = 2;
+  tactic.threads = 64;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> in(world, std::vector<float>(numel, 0.0f));
+  for (auto& x : in) {
+    for (int64_t i = 0; i < numel; i += plan::kNormPartials) x[i] = normal(rng);
+  }
+  int sensitive_rows = 0;  // rows whose partial differs when its terms are fused
+  for (int64_t row = 0; row < rows; ++row) {
+    float apart = 0.0f, fused_terms = 0.0f;
+    for (int64_t i = row * hidden; i < (row + 1) * hidden; i += plan::kNormPartials) {
+      volatile float r = in[0][i] + in[1][i];
+      volatile float square = r * r;
+      apart = apart + square;
+      fused_terms = std::fma(static_cast<float>(r), static_cast<float>(r), fused_terms);
+    }
+    sensitive_rows += apart != fused_terms;
+  }
+  ASSERT_GT(sensitive_rows, 0) << "the data cannot tell an FMA from a multiply and an add";
+  const std::vector<float> residual(numel, 0.0f), weight(hidden, 1.0f);
+  std::vector<std::vector<float>> sum(world, std::vector<float>(numel)),
+      out(world, std::vector<float>(numel)), res_out(world, std::vector<float>(numel));
+  std::vector<const void*> inputs{in[0].data(), in[1].data()};
+  std::vector<void*> sums{sum[0].data(), sum[1].data()}, outputs{out[0].data(), out[1].data()};
+  std::vector<plan::EpilogueArgs> args(world);
+  for (int r = 0; r < world; ++r) {
+    args[r] = plan::EpilogueArgs{residual.data(), res_out[r].data(), weight.data(), hidden, 1e-6f};
+  }
+  const cpu_device::DeviceOptions options;
+  ASSERT_EQ(group.launch(plain, tactic, DType::kFP32, inputs, sums, numel, options),
+            cpu_device::LaunchStatus::kCompleted);
+  ASSERT_EQ(
+      group.launch(fused, tactic, DType::kFP32, inputs, outputs, numel, options, 0, -1, 0, &args),
+      cpu_device::LaunchStatus::kCompleted);
+  std::vector<float> expect_res(numel);
+  plan::EpilogueArgs host = args[0];
+  host.residual_out = expect_res.data();
+  run_epilogue(DType::kFP32, sum[0].data(), numel, host);
+  EXPECT_EQ(std::memcmp(out[0].data(), sum[0].data(), numel * 4), 0) << "y";
+  EXPECT_EQ(std::memcmp(res_out[0].data(), expect_res.data(), numel * 4), 0) << "residual_out";
+}
 
 }  // namespace
 }  // namespace pcie_ar::transport::cpu_device_test
