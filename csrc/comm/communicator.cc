@@ -458,6 +458,13 @@ void check_fused_args(const at::Tensor& x, const at::Tensor& residual, const at:
 }
 }  // namespace
 
+void Communicator::install_fused(Decision& d, plan::DType dtype) {
+  if (d.fused_program != nullptr) return;
+  d.fused_program = &program_for(d.tactic, /*epilogue=*/true);
+  d.fused_signature = plan::call_signature(dtype, d.tactic, /*fused=*/true);
+  d.fused_calls = &fused_calls_[plan::tactic_label(d.tactic)];
+}
+
 Decline Communicator::fused_admission(const at::Tensor& x, const at::Tensor& weight) const {
   const Decline d = supports(x);
   if (d != Decline::kNone) return d;
@@ -546,9 +553,7 @@ void Communicator::all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor
     run_unfused(x, residual, weight, eps, out, residual_out);
     return;
   }
-  if (decision->fused_program == nullptr) {
-    decision->fused_program = &program_for(decision->tactic, /*epilogue=*/true);
-  }
+  install_fused(*decision, dtype);
   // Staged like all_reduce's tensors: a tensor's own layout never changes the path.
   auto ready = [](const at::Tensor& t) {
     return executor_ready(t) ? t : t.clone(at::MemoryFormat::Contiguous);
@@ -572,9 +577,9 @@ void Communicator::all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor
   epilogue.eps = static_cast<float>(eps);
   Decision fused = *decision;
   fused.program = decision->fused_program;
-  fused.signature = plan::call_signature(dtype, decision->tactic, /*fused=*/true);
+  fused.signature = decision->fused_signature;
   run_kernels(fused, dtype, src, dst, &epilogue);
-  ++fused_calls_[plan::tactic_label(decision->tactic)];
+  ++*decision->fused_calls;
   if (!dst.is_same(out)) out.copy_(dst);
   if (!res_dst.is_same(residual_out)) residual_out.copy_(res_dst);
 }
@@ -597,9 +602,7 @@ int Communicator::prepare() {
       if (bytes >= plan::kVectorBytes) {
         // The fused call's program too: a capture may hold either, and installs nothing.
         Decision& d = decide(dtype, bytes);
-        if (!d.fallback && d.fused_program == nullptr) {
-          d.fused_program = &program_for(d.tactic, /*epilogue=*/true);
-        }
+        if (!d.fallback) install_fused(d, dtype);
       }
     }
   }
@@ -754,7 +757,9 @@ Stats Communicator::stats() const {
   }
   s.bytes_sent_per_peer = bytes_sent_;
   s.staged = staged_;
-  s.fused_calls = fused_calls_;
+  for (const auto& [label, count] : fused_calls_) {
+    if (count) s.fused_calls[label] = count;  // installed (prepare()) but never run: left out
+  }
   s.fused_declines = fused_declines_;
   return s;
 }

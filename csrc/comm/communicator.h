@@ -226,13 +226,18 @@ class Communicator {
     bool fallback = true;
     plan::Tactic tactic;
     InstalledProgram* program = nullptr;
-    InstalledProgram* fused_program = nullptr;  // the same schedule with the epilogue, once used
     uint32_t signature = 0;
     int64_t* calls = nullptr;  // counter for this tactic
+    // The fused call (all_reduce_add_rms_norm) of the same tactic, set by install_fused() once.
+    InstalledProgram* fused_program = nullptr;
+    uint32_t fused_signature = 0;
+    int64_t* fused_calls = nullptr;
   };
 
   Decision& decide(plan::DType dtype, int64_t bytes);
   InstalledProgram& program_for(const plan::Tactic& tactic, bool epilogue = false);
+  // Fills `d`'s fused program, signature and counter (a kernel decision) unless already set.
+  void install_fused(Decision& d, plan::DType dtype);
   Decline fused_admission(const at::Tensor& x, const at::Tensor& weight) const;
   void run_unfused(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                    double eps, at::Tensor& out, at::Tensor& residual_out);
