@@ -4,7 +4,8 @@ the change the model prices that it does not make yet (parallel re-looks of miss
 the critical path of the best tactic of each target. No GPU needed: it is arithmetic on the step
 lists (csrc/plan/cost_model.h).
 
-    .venv/bin/python benchmarks/cost_model_report.py [--bytes 12288] [--paths]
+    .venv/bin/python benchmarks/cost_model_report.py [--bytes 12288] [--paths] [--fused]
+        [--collective]
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true",
                     help="also each target's best tactic with the fused all-reduce + residual "
                          "add + RMSNorm epilogue (issue 24), beside it plain")
+    ap.add_argument("--collective", action="store_true",
+                    help="also each target's best reduce-scatter and all-gather of the same "
+                         "message (issue 25), beside its best all-reduce")
     args = ap.parse_args()
     print(f"executor today: {_C.executor_model()}")
     print(f"constants: {_C.latency_model()}")
@@ -72,6 +76,15 @@ def main() -> None:
                   f"({b['serial_round_trips']} rt) against {a['modelled_us']:.2f} µs "
                   f"({a['serial_round_trips']} rt) plain; added: "
                   + "; ".join(link for link in b["critical_path"][-3:]))
+        if args.collective:
+            best_ar = ranked["today"][0]
+            for collective in ("reduce_scatter", "all_gather"):
+                best = model.rank_tactics(len(island_of), island_of, transport, args.bytes,
+                                          collective=collective)[0]
+                print(f"\n{collective} ({label(best)}): {best['modelled_us']:.2f} µs "
+                      f"({best['serial_round_trips']} rt), "
+                      f"{best['modelled_us'] / best_ar['modelled_us']:.2f}x the all-reduce's "
+                      f"{best_ar['modelled_us']:.2f} µs ({label(best_ar)})")
         if args.paths:
             for ex, over in EXECUTORS:
                 best = ranked[ex][0]

@@ -243,6 +243,10 @@ plan::Protocol protocol_from_name(const std::string& name) {
   return parse_or_throw(plan::kProtocolNames, name);
 }
 
+plan::Collective parse_collective_name(const std::string& name) {
+  return parse_or_throw(plan::kCollectiveNames, name);
+}
+
 py::dict verification_dict(const plan::Verification& v) {
   py::dict out;
   out["ok"] = v.ok;
@@ -298,6 +302,7 @@ void bind_schedules(py::module_& m) {
         out["world"] = s.world;
         out["num_chunks"] = s.num_chunks;
         out["num_stages"] = s.num_stages;
+        out["collective"] = std::string(plan::collective_name(s.collective));
         out["island_of"] = s.island_of;
         py::list programs;
         for (const auto& program : s.programs) {
@@ -312,22 +317,26 @@ void bind_schedules(py::module_& m) {
   m.def(
       "build_schedule",
       [](const std::string& algorithm, int world, const std::vector<int>& island_of,
-         const std::string& direction, bool staged, const std::string& protocol) {
+         const std::string& direction, bool staged, const std::string& protocol,
+         const std::string& collective) {
         const plan::Algorithm a = parse_or_throw(plan::kAlgorithmNames, algorithm);
         const plan::Direction d = parse_or_throw(plan::kDirectionNames, direction);
-        return plan::build_schedule(a, d, staged, world, island_of, protocol_from_name(protocol));
+        return plan::build_schedule(a, d, staged, world, island_of, protocol_from_name(protocol),
+                                    parse_collective_name(collective));
       },
       py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction"),
-      py::arg("staged"), py::arg("protocol") = "flag");
+      py::arg("staged"), py::arg("protocol") = "flag", py::arg("collective") = "all_reduce");
   m.def("with_epilogue", &plan::with_epilogue, py::arg("schedule"),
         "The fused schedule (plan::with_epilogue): every program plus the all-reduce + residual "
         "add + RMSNorm epilogue.");
   m.def(
       "why_unsupported",
       [](const std::string& algorithm, int world, const std::vector<int>& island_of,
-         const std::string& direction, bool staged,
-         const std::string& protocol) -> std::optional<std::string> {
+         const std::string& direction, bool staged, const std::string& protocol,
+         const std::string& collective) -> std::optional<std::string> {
         plan::Tactic t;
+        const auto c = plan::parse_collective(collective);
+        if (!c) return "unknown collective '" + collective + "'";
         const auto a = plan::parse_algorithm(algorithm);
         if (!a) return "unknown algorithm '" + algorithm + "'";
         const auto d = plan::parse_direction(direction);
@@ -336,10 +345,11 @@ void bind_schedules(py::module_& m) {
         t.direction = *d;
         t.staged = staged;
         t.protocol = protocol_from_name(protocol);
-        return plan::why_unsupported(t, world, island_of);
+        return plan::why_unsupported(t, world, island_of, *c);
       },
       py::arg("algorithm"), py::arg("world"), py::arg("island_of"), py::arg("direction") = "push",
-      py::arg("staged") = false, py::arg("protocol") = "flag");
+      py::arg("staged") = false, py::arg("protocol") = "flag",
+      py::arg("collective") = "all_reduce");
   // The CPU reduce kernels (transport/host_reduce_isa.h): process-wide, results identical.
   m.def("host_reduce_isa", &transport::host_reduce_isa,
         "The reduce kernels CPU all-reduces use now: scalar, avx2 or avx512.");
@@ -352,9 +362,10 @@ void bind_schedules(py::module_& m) {
       "this CPU does not run them).");
   m.def(
       "buildable_tactics",
-      [](int world, const std::vector<int>& island_of) {
+      [](int world, const std::vector<int>& island_of, const std::string& collective) {
         py::list out;
-        for (const plan::Tactic& t : plan::buildable_tactics(world, island_of)) {
+        for (const plan::Tactic& t :
+             plan::buildable_tactics(world, island_of, parse_collective_name(collective))) {
           py::dict d;
           d["algorithm"] = std::string(plan::algorithm_name(t.algorithm));
           d["direction"] = std::string(plan::direction_name(t.direction));
@@ -364,9 +375,9 @@ void bind_schedules(py::module_& m) {
         }
         return out;
       },
-      py::arg("world"), py::arg("island_of"),
-      "Every (algorithm, direction, staged, protocol) the builders accept for this world and "
-      "island map, in the plan layer's fixed order.");
+      py::arg("world"), py::arg("island_of"), py::arg("collective") = "all_reduce",
+      "Every (algorithm, direction, staged, protocol) the builders accept for this world, "
+      "island map and collective, in the plan layer's fixed order.");
   m.def(
       "latency_model", [] { return fields_dict(plan::LatencyModel{}); },
       "The cost model's default constants (µs, GB/s), by name.");
@@ -526,6 +537,15 @@ void bind_communicator(py::module_& m) {
              return optional_reason(c.decline_reason(t));
            })
       .def("chosen_tactic", &comm::Communicator::chosen_tactic)
+      .def("collective_decline_reason",
+           [](comm::Communicator& c, const std::string& collective, const at::Tensor& t) {
+             return optional_reason(
+                 c.collective_decline_reason(parse_collective_name(collective), t));
+           })
+      .def("chosen_collective_tactic",
+           [](comm::Communicator& c, const std::string& collective, const at::Tensor& t) {
+             return c.chosen_collective_tactic(parse_collective_name(collective), t);
+           })
       .def("probe_write", &comm::Communicator::probe_write)
       .def("probe_read", &comm::Communicator::probe_read)
       .def("disable",
@@ -573,6 +593,16 @@ void bind_communicator(py::module_& m) {
         out["staged"] = s.staged;
         out["fused_calls"] = s.fused_calls;
         out["fused_declines"] = s.fused_declines;
+        py::dict collectives;
+        for (const auto& [name, labels] : s.collective_calls) {
+          py::dict entry;
+          entry["calls"] = labels;
+          const auto it = s.collective_declines.find(name);
+          entry["declines"] =
+              it == s.collective_declines.end() ? std::map<std::string, int64_t>{} : it->second;
+          collectives[py::str(name)] = entry;
+        }
+        out["collectives"] = collectives;
         return out;
       });
 

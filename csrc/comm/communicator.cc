@@ -217,7 +217,9 @@ std::string Communicator::chosen_tactic(const at::Tensor& t) {
 std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& row,
                                                           int64_t bytes) const {
   const plan::Tactic& t = row.tactic;
-  if (auto why = plan::why_unsupported(t, options_.world, options_.island_of)) return why;
+  if (auto why = plan::why_unsupported(t, options_.world, options_.island_of, row.collective)) {
+    return why;
+  }
   // The layout is agreed by every rank (handshake), so this depends only on the call's size.
   const int64_t ll_capacity = workspace_->layout().ll_capacity_bytes;
   if (plan::flag_in_data(t.protocol) && bytes > ll_capacity) {
@@ -227,16 +229,20 @@ std::optional<std::string> Communicator::why_not_runnable(const plan::TableRow& 
   return workspace_->why_not(t);
 }
 
-Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& tactic,
-                                                          bool epilogue) {
+Communicator::InstalledProgram& Communicator::program_for(const plan::Tactic& tactic, bool epilogue,
+                                                          plan::Collective collective) {
+  // The last field: 0 the all-reduce, 1 the fused call, 2 + collective the others.
+  const int variant = collective != plan::Collective::kAllReduce ? 2 + static_cast<int>(collective)
+                      : epilogue                                 ? 1
+                                                                 : 0;
   const auto key =
       std::make_tuple(static_cast<int>(tactic.algorithm), static_cast<int>(tactic.direction),
-                      tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol), epilogue ? 1 : 0);
+                      tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol), variant);
   auto it = programs_.find(key);
   if (it != programs_.end()) return *it->second;
   plan::Schedule schedule =
       plan::build_schedule(tactic.algorithm, tactic.direction, tactic.staged, options_.world,
-                           options_.island_of, tactic.protocol);
+                           options_.island_of, tactic.protocol, collective);
   // Where the executor writes a sum and its forwarded copy in one pass, fewer passes over memory.
   if (workspace_->runs_multi_destination_steps()) {
     schedule = plan::fuse_forwarding_copies(std::move(schedule));
@@ -345,7 +351,7 @@ void check_writable(const at::Tensor& out, bool in_place) {
 }
 }  // namespace
 
-void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) const {
+void Communicator::check_call_device(const at::Tensor& inp) const {
   if (workspace_) {
     const int device = workspace_->device();
     const bool here =
@@ -356,6 +362,10 @@ void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) cons
           (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)));
     }
   }
+}
+
+void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) const {
+  check_call_device(inp);
   if (!out.is_same(inp)) {
     if (out.scalar_type() != inp.scalar_type() || !out.sizes().equals(inp.sizes()) ||
         out.device() != inp.device()) {
@@ -584,6 +594,227 @@ void Communicator::all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor
   if (!res_dst.is_same(residual_out)) residual_out.copy_(res_dst);
 }
 
+// ------------------------------------------------------------------ reduce-scatter, all-gather
+
+namespace {
+// Bad arguments of reduce_scatter and all_gather: raised before any communication. `scatter`:
+// out is inp with dim 0 divided by world; else multiplied.
+void check_collective_args(plan::Collective collective, const at::Tensor& inp,
+                           const at::Tensor& out, int world) {
+  const std::string name(plan::collective_name(collective));
+  const bool scatter = collective == plan::Collective::kReduceScatter;
+  if (inp.dim() < 1) {
+    throw std::invalid_argument(name +
+                                " works along dim 0 and needs a tensor of at least one "
+                                "dimension; got a " +
+                                describe(inp));
+  }
+  if (scatter && inp.size(0) % world != 0) {
+    throw std::invalid_argument(name + " needs dim 0 of the input divisible by the world size " +
+                                std::to_string(world) + "; got a " + describe(inp));
+  }
+  std::vector<int64_t> expected = inp.sizes().vec();
+  expected[0] = scatter ? expected[0] / world : expected[0] * world;
+  if (out.scalar_type() != inp.scalar_type() || out.device() != inp.device() ||
+      !out.sizes().equals(expected)) {
+    throw std::invalid_argument(name + "'s out must have the input's dtype and device and shape " +
+                                c10::str(at::IntArrayRef(expected)) + " (dim 0 " +
+                                (scatter ? "divided" : "multiplied") + " by the world size " +
+                                std::to_string(world) + "): the input is a " + describe(inp) +
+                                ", out a " + describe(out));
+  }
+  if (may_overlap(inp, out)) {
+    throw std::invalid_argument(name + "'s out overlaps its input; pass a disjoint tensor");
+  }
+  check_writable(out, false);
+  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
+    throw std::invalid_argument(
+        "unsupported operation: more than one element of the written-to tensor refers to a "
+        "single memory location (an expanded or overlapping view); clone() it first");
+  }
+}
+}  // namespace
+
+Decline Communicator::collective_admission(plan::Collective collective, const at::Tensor& inp,
+                                           int64_t message) const {
+  const Decline d = supports(inp);
+  if (d != Decline::kNone && d != Decline::kTooLarge && d != Decline::kNot16ByteMultiple) {
+    return d;
+  }
+  // supports() judged the input's own size; the message is what the workspace carries.
+  const int64_t elem = plan::dtype_bytes(*to_plan_dtype(inp.scalar_type()));
+  const int64_t chunk = message / options_.world;
+  if (message % options_.world != 0 || (chunk * elem) % plan::kVectorBytes != 0) {
+    return Decline::kNot16ByteMultiple;
+  }
+  if (message > options_.max_numel) return Decline::kTooLarge;
+  if (!connected_) return Decline::kDisabled;
+  (void)collective;
+  return Decline::kNone;
+}
+
+namespace {
+// The message a collective's input stands for: the reduce-scatter's input is the message, the
+// all-gather's input one chunk of it.
+int64_t message_numel(plan::Collective collective, const at::Tensor& inp, int world) {
+  return collective == plan::Collective::kAllGather ? inp.numel() * world : inp.numel();
+}
+}  // namespace
+
+Communicator::Decision& Communicator::decide_collective(plan::Collective collective,
+                                                        plan::DType dtype, int64_t bytes) {
+  const auto key = std::make_tuple(static_cast<int>(collective), static_cast<int>(dtype), bytes);
+  auto it = collective_decisions_.find(key);
+  if (it != collective_decisions_.end()) return it->second;
+  const plan::TableChoice choice = table_.choose(
+      options_.topology_key, options_.world, dtype, bytes,
+      [this](const plan::TableRow& row, int64_t b) { return why_not_runnable(row, b); },
+      collective);
+  for (const auto& [line, why] : choice.skipped) {
+    log(1, table_.source() + " line " + std::to_string(line) + " skipped: " + why);
+  }
+  Decision d;
+  if (choice.line != 0) {  // a row of this collective decided
+    d.fallback = choice.fallback;
+    d.tactic = choice.tactic;
+  } else {  // none: the all-reduce's choice, in its two-shot form
+    const Decision& all_reduce = decide(dtype, bytes);
+    d.fallback = all_reduce.fallback;
+    d.tactic = all_reduce.tactic;
+    if (d.tactic.algorithm == plan::Algorithm::kOneshot) {
+      d.tactic.algorithm = plan::Algorithm::kTwoshot;
+    } else if (d.tactic.algorithm == plan::Algorithm::kIslandOneshot) {
+      d.tactic.algorithm = plan::Algorithm::kIslandTwoshot;
+    }
+  }
+  if (!d.fallback) {
+    d.program = &program_for(d.tactic, false, collective);
+    d.signature = plan::call_signature(dtype, d.tactic, false, collective);
+    d.calls = &collective_calls_[std::string(plan::collective_name(collective))]
+                                [plan::tactic_label(d.tactic)];
+  }
+  return collective_decisions_.emplace(key, d).first->second;
+}
+
+Decline Communicator::collective_decline_reason(plan::Collective collective,
+                                                const at::Tensor& inp) {
+  if (collective == plan::Collective::kAllReduce) return decline_reason(inp);
+  const int64_t message = message_numel(collective, inp, std::max(options_.world, 1));
+  const Decline d = collective_admission(collective, inp, message);
+  if (d != Decline::kNone) return d;
+  const auto dtype = *to_plan_dtype(inp.scalar_type());
+  return decide_collective(collective, dtype, message * plan::dtype_bytes(dtype)).fallback
+             ? Decline::kTable
+             : Decline::kNone;
+}
+
+std::string Communicator::chosen_collective_tactic(plan::Collective collective,
+                                                   const at::Tensor& inp) {
+  if (collective == plan::Collective::kAllReduce) return chosen_tactic(inp);
+  if (collective_decline_reason(collective, inp) != Decline::kNone) return "fallback";
+  const auto dtype = *to_plan_dtype(inp.scalar_type());
+  const int64_t message = message_numel(collective, inp, options_.world);
+  return plan::tactic_label(
+      decide_collective(collective, dtype, message * plan::dtype_bytes(dtype)).tactic);
+}
+
+void Communicator::run_collective_fallback(plan::Collective collective, const at::Tensor& inp,
+                                           at::Tensor& out) {
+  if (options_.group_name.empty()) {
+    throw std::runtime_error("pcie_allreduce has no process group to fall back to");
+  }
+  // The group's own collective through c10d's functional ops, as run_fallback().
+  static const c10::OperatorHandle& reduce_scatter =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::reduce_scatter_tensor", "");
+  static const c10::OperatorHandle& all_gather = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "_c10d_functional::all_gather_into_tensor", "");
+  static const c10::OperatorHandle& wait =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  const int64_t world = options_.world;
+  torch::jit::Stack stack;
+  if (collective == plan::Collective::kReduceScatter) {
+    stack = {inp, std::string("sum"), world, options_.group_name};
+    reduce_scatter.callBoxed(&stack);
+  } else {
+    stack = {inp, world, options_.group_name};
+    all_gather.callBoxed(&stack);
+  }
+  at::Tensor result = stack.back().toTensor();
+  stack = {result};
+  wait.callBoxed(&stack);
+  out.copy_(result.view(out.sizes()));
+}
+
+// The kernels address the one-chunk tensor (the reduce-scatter's output, the all-gather's input)
+// from chunk `rank` of the message: its base goes in `rank` chunks before it. The programs touch
+// only chunk `rank` of it (plan::verify proves it), so no byte outside the tensor is read or
+// written; the address is formed as an integer, never dereferenced below the tensor.
+void Communicator::run_collective(plan::Collective collective, const at::Tensor& inp,
+                                  at::Tensor& out) {
+  const std::string name(plan::collective_name(collective));
+  check_collective_args(collective, inp, out, std::max(options_.world, 1));
+  const at::Tensor src = executor_ready(inp) ? inp : inp.clone(at::MemoryFormat::Contiguous);
+  at::Tensor dst = executor_ready(out) ? out : at::empty(out.sizes(), out.options());
+  if (!src.is_same(inp) || !dst.is_same(out)) ++staged_;
+  const int64_t message = message_numel(collective, src, std::max(options_.world, 1));
+  Decline decline = collective_admission(collective, src, message);
+  Decision* decision = nullptr;
+  plan::DType dtype{};
+  if (decline == Decline::kNone) {
+    dtype = *to_plan_dtype(src.scalar_type());
+    decision = &decide_collective(collective, dtype, message * plan::dtype_bytes(dtype));
+    if (decision->fallback) decline = Decline::kTable;
+  }
+  if (decline != Decline::kNone) {
+    ++collective_declines_[name][std::string(decline_name(decline))];
+    ++collective_calls_[name]["fallback"];
+    skip_call();  // first: a fallback that raises has still taken its generation
+    run_collective_fallback(collective, src, dst);
+  } else {
+    const int64_t chunk_bytes = message / options_.world * plan::dtype_bytes(dtype);
+    const auto below = [&](const at::Tensor& t) {
+      return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(t.data_ptr()) -
+                                     static_cast<uintptr_t>(options_.rank * chunk_bytes));
+    };
+    transport::Call call;
+    call.program = decision->program->id;
+    call.dtype = dtype;
+    call.blocks = decision->tactic.blocks;
+    call.threads = decision->tactic.threads;
+    const bool scatter = collective == plan::Collective::kReduceScatter;
+    call.input = scatter ? src.data_ptr() : below(src);
+    call.output = scatter ? below(dst) : dst.data_ptr();
+    call.numel = message;
+    call.signature = decision->signature;
+    call.stream = current_stream(workspace_->device());
+    try {
+      workspace_->run(call);
+    } catch (const transport::TransportFailure& e) {
+      transport_failed(e);
+    }
+    ++*decision->calls;
+    const auto bytes = static_cast<double>(message * plan::dtype_bytes(dtype));
+    const auto& sent = decision->program->sent_fraction;
+    for (size_t p = 0; p < sent.size(); ++p)
+      bytes_sent_[p] += static_cast<int64_t>(sent[p] * bytes);
+  }
+  if (!dst.is_same(out)) out.copy_(dst);
+}
+
+void Communicator::reduce_scatter(const at::Tensor& inp, at::Tensor& out) {
+  const CallGuard guard(*this, busy_);
+  raise_if_failed();
+  check_call_device(inp);
+  run_collective(plan::Collective::kReduceScatter, inp, out);
+}
+
+void Communicator::all_gather(const at::Tensor& inp, at::Tensor& out) {
+  const CallGuard guard(*this, busy_);
+  raise_if_failed();
+  check_call_device(inp);
+  run_collective(plan::Collective::kAllGather, inp, out);
+}
+
 int Communicator::prepare() {
   const CallGuard guard(*this, busy_);
   if (!enabled()) return static_cast<int>(programs_.size());
@@ -603,6 +834,16 @@ int Communicator::prepare() {
         // The fused call's program too: a capture may hold either, and installs nothing.
         Decision& d = decide(dtype, bytes);
         if (!d.fallback) install_fused(d, dtype);
+      }
+      // The reduce-scatter's and all-gather's: their messages are whole vectors per rank, so
+      // the admitted messages on either side of the edge.
+      const int64_t per_rank = plan::kVectorBytes * options_.world;
+      for (int64_t m : {bytes - bytes % per_rank, bytes - bytes % per_rank + per_rank}) {
+        if (m < per_rank || m > top - top % per_rank) continue;
+        for (const plan::Collective c :
+             {plan::Collective::kReduceScatter, plan::Collective::kAllGather}) {
+          decide_collective(c, dtype, m);
+        }
       }
     }
   }
@@ -761,6 +1002,12 @@ Stats Communicator::stats() const {
     if (count) s.fused_calls[label] = count;  // installed (prepare()) but never run: left out
   }
   s.fused_declines = fused_declines_;
+  for (const auto& [name, labels] : collective_calls_) {
+    for (const auto& [label, count] : labels) {
+      if (count) s.collective_calls[name][label] = count;
+    }
+  }
+  s.collective_declines = collective_declines_;
   return s;
 }
 

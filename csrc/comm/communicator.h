@@ -119,6 +119,10 @@ struct Stats {
   // all_reduce_add_rms_norm: tactic label (or "unfused") -> count, and why calls went unfused.
   std::map<std::string, int64_t> fused_calls;
   std::map<std::string, int64_t> fused_declines;
+  // reduce_scatter and all_gather: collective name -> tactic label (or "fallback") -> count, and
+  // collective name -> decline name -> count. Collectives never called are left out.
+  std::map<std::string, std::map<std::string, int64_t>> collective_calls;
+  std::map<std::string, std::map<std::string, int64_t>> collective_declines;
 };
 
 class Communicator {
@@ -176,6 +180,25 @@ class Communicator {
   Decline fused_decline_reason(const at::Tensor& x, const at::Tensor& residual,
                                const at::Tensor& weight);
 
+  // Reduce-scatter along dim 0 (torch's reduce_scatter_tensor, sum): inp is [world * m, ...],
+  // out is [m, ...] and receives rows [rank * m, (rank + 1) * m) of the sum over ranks, formed as
+  // the all-reduce forms it (fp32, rank order, rounded once).
+  void reduce_scatter(const at::Tensor& inp, at::Tensor& out);
+  // All-gather along dim 0 (all_gather_into_tensor): inp is [m, ...], out is [world * m, ...] and
+  // receives rank q's inp at rows [q * m, (q + 1) * m), bit for bit.
+  // Both: out has inp's dtype and device and does not overlap it; any layout (staged like the
+  // all-reduce's). Admitted (collective_decline_reason) and chosen: one kernel call of the
+  // collective's own schedule; otherwise the group's own collective. Bad arguments raise
+  // std::invalid_argument before any communication.
+  void all_gather(const at::Tensor& inp, at::Tensor& out);
+  // Why the kernels would not run `collective` with this input, or kNone: supports() of the
+  // message (the reduce-scatter's input, the all-gather's output: world times its input), then
+  // kNot16ByteMultiple when a rank's chunk is not whole 16-byte vectors, then the table (kTable).
+  // Never throws; depends only on what every rank agrees on. For kAllReduce: decline_reason().
+  Decline collective_decline_reason(plan::Collective collective, const at::Tensor& inp);
+  // The tactic label that would run it, or "fallback".
+  std::string chosen_collective_tactic(plan::Collective collective, const at::Tensor& inp);
+
   // P2P write-and-verify (CUDA only; the host transport has nothing to probe). Collective:
   // probe_write() on every rank, a barrier, then probe_read() returns the ranks whose writes
   // did not arrive intact here.
@@ -201,7 +224,8 @@ class Communicator {
   const std::string& table_source() const { return table_.source(); }
   // Installs, before any graph capture, every program the table can pick for an admitted
   // message (each dtype at every row edge and at the LL capacity, the only sizes where a choice
-  // can change), so no call inside a capture installs one. Returns the programs installed.
+  // can change), the fused call's, the reduce-scatter's and the all-gather's included, so no
+  // call inside a capture installs one. Returns the programs installed.
   // Like a call, it must not run concurrently with one.
   int prepare();
   // Replaces the tuning table (the tuner, and a cache adopted after construction). Collective
@@ -235,7 +259,20 @@ class Communicator {
   };
 
   Decision& decide(plan::DType dtype, int64_t bytes);
-  InstalledProgram& program_for(const plan::Tactic& tactic, bool epilogue = false);
+  // A reduce-scatter's or all-gather's decision for a message of `bytes` (plan/tactic.h): the
+  // table's first runnable row of that collective (plan/tuning_table.h); without one, the
+  // table's all-reduce choice for that message in its two-shot form (twoshot for oneshot,
+  // island_twoshot for island_oneshot) with the same direction, staging, protocol and launch
+  // shape, or the fallback where the all-reduce's is.
+  Decision& decide_collective(plan::Collective collective, plan::DType dtype, int64_t bytes);
+  InstalledProgram& program_for(const plan::Tactic& tactic, bool epilogue = false,
+                                plan::Collective collective = plan::Collective::kAllReduce);
+  // The decline of a reduce-scatter or all-gather whose message is `message` elements of `inp`'s
+  // dtype (supports() sees `inp`), before the table.
+  Decline collective_admission(plan::Collective collective, const at::Tensor& inp,
+                               int64_t message) const;
+  void run_collective(plan::Collective collective, const at::Tensor& inp, at::Tensor& out);
+  void run_collective_fallback(plan::Collective collective, const at::Tensor& inp, at::Tensor& out);
   // Fills `d`'s fused program, signature and counter (a kernel decision) unless already set.
   void install_fused(Decision& d, plan::DType dtype);
   Decline fused_admission(const at::Tensor& x, const at::Tensor& weight) const;
@@ -244,6 +281,7 @@ class Communicator {
   class CallGuard;
   void check_process() const;  // throws in a forked child
   void check_call(const at::Tensor& inp, const at::Tensor& out) const;
+  void check_call_device(const at::Tensor& inp) const;  // std::invalid_argument elsewhere
   void reduce_into(const at::Tensor& inp, at::Tensor& out);
   void run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
                    at::Tensor& out, const plan::EpilogueArgs* epilogue = nullptr);
@@ -265,6 +303,9 @@ class Communicator {
   std::map<std::string, int64_t> calls_;
   std::map<std::string, int64_t> fused_calls_;
   std::map<std::string, int64_t> fused_declines_;
+  std::map<std::tuple<int, int, int64_t>, Decision> collective_decisions_;
+  std::map<std::string, std::map<std::string, int64_t>> collective_calls_;
+  std::map<std::string, std::map<std::string, int64_t>> collective_declines_;
   std::array<int64_t, 16> declines_{};
   std::array<bool, 16> decline_logged_{};
   std::vector<int64_t> bytes_sent_;

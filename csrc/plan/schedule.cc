@@ -24,8 +24,10 @@ BufRef ll_of(int owner, int slot, int writer) {
 // The phases of the algorithms, each with its own flag per writer: inputs delivered to the
 // ranks that reduce them; island partials published and swapped across the socket link;
 // reduced chunks published and gathered.
-enum Phase : int { kPhaseDeliver = 0, kPhasePartial = 1, kPhaseGather = 2 };
-static_assert(kPhaseGather < kFlagsPerWriter);
+// The island reduce-scatter delivers two chunks to each island member (the partner's, then its
+// own), each under its own flag: kPhaseSecond.
+enum Phase : int { kPhaseDeliver = 0, kPhasePartial = 1, kPhaseGather = 2, kPhaseSecond = 3 };
+static_assert(kPhaseSecond < kFlagsPerWriter);
 
 // Flag `phase` that `writer` raises; one writer per (flag array, index) by construction.
 int flag_id(int writer, int phase) { return writer * kFlagsPerWriter + phase; }
@@ -47,7 +49,9 @@ struct Group {
 class Builder {
  public:
   Builder(Algorithm algorithm, Direction direction, bool staged, Protocol protocol, int world,
-          std::vector<int> island_of, int num_chunks) {
+          std::vector<int> island_of, int num_chunks,
+          Collective collective = Collective::kAllReduce) {
+    s_.collective = collective;
     s_.algorithm = algorithm;
     s_.direction = direction;
     s_.staged = staged;
@@ -244,9 +248,9 @@ std::vector<Group> partner_pairs(const Islands& isl) {
 // peers of its group that reduce it. Pull ranks first copy those chunks into their staging
 // slot (the input itself is not visible to peers) and raise one flag for all of them.
 Builder::Phase deliver_inputs(Builder& b, const std::vector<Group>& group_of,
-                              std::function<int(int, int)> chunk) {
+                              std::function<int(int, int)> chunk, int phase = kPhaseDeliver) {
   Builder::Phase in;
-  in.phase = kPhaseDeliver;
+  in.phase = phase;
   in.chunk = std::move(chunk);
   in.push_src = input_of;
   in.landing = slot_from_rank;
@@ -388,6 +392,128 @@ Schedule build_island_twoshot(Builder b, const std::vector<int>& island_of) {
   return b.finish();
 }
 
+// Reduce-scatter: two-shot's first half. Every rank delivers chunk c of its input to rank c,
+// and rank c sums chunk c in rank order into its output (the chunk its tensor holds).
+Schedule build_reduce_scatter(Builder b) {
+  const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
+  const auto in = deliver_inputs(b, everyone, [](int, int owner) { return owner; });
+  for (int r = 0; r < b.world(); ++r) {
+    b.reduce(r, r, output_of(r), in_rank_order(r, everyone[r].members, input_of(r), [&](int q) {
+               return b.received(in, r, q);
+             }));
+  }
+  return b.finish();
+}
+
+// The last phase of an all-gather inside `group_of`: each rank's chunk `chunk_of(r)`, taken from
+// `src(r)` (its input or its output), lands in every member's gather slot at that chunk and is
+// copied on into the member's output. Pull ranks publish it first: a copy into their own gather
+// slot and one flag per member.
+void gather_chunks(Builder& b, const std::vector<Group>& group_of, int phase,
+                   const std::function<int(int)>& chunk_of, const std::function<BufRef(int)>& src) {
+  const int gather = slot_gather(b.world());
+  if (!b.push()) {
+    for (int r = 0; r < b.world(); ++r) {
+      b.copy(r, chunk_of(r), slot_of(r, gather), src(r));
+      b.publish(r, group_of[r], phase);
+    }
+  }
+  Builder::Phase ag;
+  ag.phase = phase;
+  ag.chunk = [&](int owner, int) { return chunk_of(owner); };
+  ag.push_src = src;
+  ag.landing = [gather](int) { return gather; };
+  ag.published = gather;
+  ag.on_recv = [&](int r, int q) { b.copy(r, chunk_of(q), output_of(r), b.received(ag, r, q)); };
+  b.exchange(group_of, ag);
+}
+
+// All-gather: two-shot's second half. Rank r's input is chunk r: it goes to its own output and
+// to every peer.
+Schedule build_all_gather(Builder b) {
+  const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
+  for (int r = 0; r < b.world(); ++r) b.copy(r, r, output_of(r), input_of(r));
+  gather_chunks(
+      b, everyone, kPhaseGather, [](int r) { return r; }, input_of);
+  return b.finish();
+}
+
+// Island reduce-scatter (world chunks; rank r owns chunk r, its partner p chunk p): inside each
+// island every member delivers its input's chunk p to r, which sums the island's partial of it
+// and sends it across to p; then chunk r, whose island partial r sums and adds to the one p sent
+// (island 0's first). One chunk in `world` of each rank's input crosses the socket link: half of
+// the flat reduce-scatter's cross-island traffic at world 4, a quarter at 8.
+Schedule build_island_reduce_scatter(Builder b, const std::vector<int>& island_of) {
+  const Islands isl = split_islands(island_of);
+  const int partial = slot_partial(b.world());
+  const auto& partner = isl.partner;
+  const auto sum_island = [&](const Builder::Phase& in, int chunk_of_r(int, const Islands&)) {
+    for (int r = 0; r < b.world(); ++r) {
+      b.reduce(r, chunk_of_r(r, isl), slot_of(r, partial),
+               in_rank_order(r, isl.group_of[r].members, input_of(r),
+                             [&](int q) { return b.received(in, r, q); }));
+    }
+  };
+  const auto partners_chunk = [](int r, const Islands& i) { return i.partner[r]; };
+  const auto own_chunk = [](int r, const Islands&) { return r; };
+  const auto across =
+      deliver_inputs(b, isl.group_of, [&](int, int owner) { return partner[owner]; });
+  sum_island(across, partners_chunk);
+  publish_partials(b, isl);
+  b.next_stage();
+  const auto own = deliver_inputs(
+      b, isl.group_of, [](int, int owner) { return owner; }, kPhaseSecond);
+  sum_island(own, own_chunk);
+  b.next_stage();
+  const auto cross = swap_partials(b, isl, [&](int r) { return partner[r]; });
+  for (int r = 0; r < b.world(); ++r) {
+    b.reduce(r, r, output_of(r),
+             island_order(r, island_of, slot_of(r, partial), b.received(cross, r, partner[r])));
+  }
+  return b.finish();
+}
+
+// Island all-gather (world chunks): partners swap their chunks across the socket link, then each
+// rank sends its own chunk and its partner's to its island. Every chunk crosses once.
+Schedule build_island_all_gather(Builder b, const std::vector<int>& island_of) {
+  const Islands isl = split_islands(island_of);
+  const int gather = slot_gather(b.world());
+  const auto& partner = isl.partner;
+  for (int r = 0; r < b.world(); ++r) b.copy(r, r, output_of(r), input_of(r));
+  // Across: rank r's input chunk r lands in p's gather slot (pull: p reads r's, published
+  // there for p and for r's island alike).
+  if (!b.push()) {
+    for (int r = 0; r < b.world(); ++r) {
+      b.copy(r, r, slot_of(r, gather), input_of(r));
+      b.signal(r, partner[r], kPhasePartial);
+      b.publish(r, isl.group_of[r], kPhaseDeliver);
+    }
+  }
+  Builder::Phase cross;
+  cross.phase = kPhasePartial;
+  cross.chunk = [](int sender, int) { return sender; };
+  cross.push_src = input_of;
+  cross.landing = [gather](int) { return gather; };
+  cross.published = gather;
+  cross.on_recv = [&](int r, int q) { b.copy(r, q, output_of(r), b.received(cross, r, q)); };
+  b.exchange(partner_pairs(isl), cross);
+  b.next_stage();
+  // Inside the island: each rank's own chunk (already published when pulling) ...
+  Builder::Phase own;
+  own.phase = kPhaseDeliver;
+  own.chunk = [](int sender, int) { return sender; };
+  own.push_src = input_of;
+  own.landing = [gather](int) { return gather; };
+  own.published = gather;
+  own.on_recv = [&](int r, int q) { b.copy(r, q, output_of(r), b.received(own, r, q)); };
+  b.exchange(isl.group_of, own);
+  b.next_stage();
+  // ... and its partner's, forwarded from its output.
+  gather_chunks(
+      b, isl.group_of, kPhaseGather, [&](int r) { return partner[r]; }, output_of);
+  return b.finish();
+}
+
 }  // namespace
 
 std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
@@ -421,8 +547,15 @@ std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
 namespace pcie_ar::plan {
 
 std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
-                                           const std::vector<int>& island_of) {
+                                           const std::vector<int>& island_of,
+                                           Collective collective) {
   if (auto why = why_unsupported(tactic.algorithm, world, island_of)) return why;
+  if (collective != Collective::kAllReduce && tactic.algorithm != Algorithm::kTwoshot &&
+      tactic.algorithm != Algorithm::kIslandTwoshot) {
+    return std::string(collective_name(collective)) + " is built from the two-shot algorithms (" +
+           "twoshot, island_twoshot) only: " + std::string(algorithm_name(tactic.algorithm)) +
+           " has no half that is one";
+  }
   if (!flag_in_data(tactic.protocol)) return std::nullopt;
   const std::string name(protocol_name(tactic.protocol));
   if (tactic.direction != Direction::kPush) {
@@ -437,14 +570,15 @@ std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
   return std::nullopt;
 }
 
-std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of) {
+std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of,
+                                      Collective collective) {
   std::vector<Tactic> tactics;
   for (Algorithm algorithm : kAllAlgorithms) {
     for (Direction direction : {Direction::kPush, Direction::kPull}) {
       for (bool staged : {true, false}) {
         for (Protocol protocol : kProtocolNames.values()) {
           const Tactic tactic{algorithm, direction, staged, protocol};
-          if (!why_unsupported(tactic, world, island_of)) tactics.push_back(tactic);
+          if (!why_unsupported(tactic, world, island_of, collective)) tactics.push_back(tactic);
         }
       }
     }
@@ -453,17 +587,26 @@ std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_
 }
 
 Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, int world,
-                        const std::vector<int>& island_of, Protocol protocol) {
+                        const std::vector<int>& island_of, Protocol protocol,
+                        Collective collective) {
   Tactic tactic;
   tactic.algorithm = algorithm;
   tactic.direction = direction;
   tactic.staged = staged;
   tactic.protocol = protocol;
-  if (auto why = why_unsupported(tactic, world, island_of)) {
+  if (auto why = why_unsupported(tactic, world, island_of, collective)) {
     throw UnsupportedSchedule(std::string(algorithm_name(algorithm)) + " for world " +
                               std::to_string(world) + ": " + *why);
   }
   std::vector<int> islands = island_of.empty() ? std::vector<int>(world, 0) : island_of;
+  if (collective != Collective::kAllReduce) {
+    const bool scatter = collective == Collective::kReduceScatter;
+    Builder b(algorithm, direction, staged, protocol, world, islands, world, collective);
+    if (algorithm == Algorithm::kTwoshot)
+      return scatter ? build_reduce_scatter(std::move(b)) : build_all_gather(std::move(b));
+    return scatter ? build_island_reduce_scatter(std::move(b), islands)
+                   : build_island_all_gather(std::move(b), islands);
+  }
   switch (algorithm) {
     case Algorithm::kOneshot:
       return build_oneshot(Builder(algorithm, direction, staged, protocol, world, islands, 1));
@@ -582,6 +725,10 @@ bool can_fuse(const std::vector<Step>& program, size_t r, size_t c, bool staged)
 
 Schedule with_epilogue(Schedule schedule) {
   if (schedule.epilogue) throw std::invalid_argument("the schedule already ends with an epilogue");
+  if (schedule.collective != Collective::kAllReduce) {
+    throw std::invalid_argument("the epilogue ends an all-reduce, not a " +
+                                std::string(collective_name(schedule.collective)));
+  }
   for (int r = 0; r < schedule.world; ++r) {
     // Whom a timeout of its barrier names: the rank itself (its CTAs meet on its own counters).
     Step step;

@@ -32,6 +32,10 @@ struct Schedule {
   // equal islands; flat algorithms use the map only to count cross-island traffic.
   std::vector<int> island_of;
   std::vector<std::vector<Step>> programs;  // programs[rank]
+  // What the schedule computes (plan/tactic.h). Reduce-scatter and all-gather cut the message
+  // into `world` chunks; chunk r of the reduce-scatter's output and of the all-gather's input is
+  // rank r's tensor, and their programs touch no other chunk of it (the verifier proves it).
+  Collective collective = Collective::kAllReduce;
   // Every program ends with the fused epilogue (with_epilogue): the verifier proves each rank's
   // output whole before it.
   bool epilogue = false;
@@ -44,19 +48,23 @@ std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
 
 // Why the (algorithm, direction, staging, protocol) of `tactic` cannot be built here, or
 // nullopt. Besides the above: LL is push-only (a pull reader would poll the writer's memory
-// across the fabric) and unstaged (data is read where it lands, as soon as it lands).
+// across the fabric) and unstaged (data is read where it lands, as soon as it lands); a
+// reduce-scatter or all-gather is built from the two-shot algorithms only (one-shot has no half
+// that is one).
 std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
-                                           const std::vector<int>& island_of);
+                                           const std::vector<int>& island_of,
+                                           Collective collective = Collective::kAllReduce);
 
 // Every (algorithm, direction, staging, protocol) the builders accept for this world and
 // island map, in a fixed order; blocks and threads keep their defaults.
-std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of);
+std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of,
+                                      Collective collective = Collective::kAllReduce);
 
 // Throws UnsupportedSchedule with the reason from why_unsupported(). An empty island_of means
 // flat (one island).
 Schedule build_schedule(Algorithm algorithm, Direction direction, bool staged, int world,
-                        const std::vector<int>& island_of = {},
-                        Protocol protocol = Protocol::kFlag);
+                        const std::vector<int>& island_of = {}, Protocol protocol = Protocol::kFlag,
+                        Collective collective = Collective::kAllReduce);
 
 // Fuses each copy that forwards a sum's result (the copy reads, for the same chunk, the buffer
 // the sum just wrote) into that sum as its second destination, when nothing in between waits
@@ -68,7 +76,8 @@ Schedule fuse_forwarding_copies(Schedule schedule);
 // The schedule of the fused call (plan/epilogue.h): every rank's program, unchanged, followed by
 // one StepKind::kEpilogue step. The epilogue reads and writes only the rank's own tensors, so it
 // adds no transfer, flag or wait between ranks; the verifier proves every chunk of the rank's
-// output holds the sum before it. Throws std::invalid_argument for a schedule that has one.
+// output holds the sum before it. Throws std::invalid_argument for a schedule that has one, or
+// that is not an all-reduce.
 Schedule with_epilogue(Schedule schedule);
 
 // The POD a transport executes for `rank`. Throws std::length_error if the program does not

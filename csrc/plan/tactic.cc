@@ -20,10 +20,13 @@ std::string tactic_label(const Tactic& tactic) {
   return label;
 }
 
-uint32_t call_signature(DType dtype, const Tactic& tactic, bool fused) {
+uint32_t call_signature(DType dtype, const Tactic& tactic, bool fused, Collective collective) {
   // Packed rather than hashed so a diagnostic can be decoded by eye. Threads are left out:
   // they change nothing a peer can observe. Blocks are in: they decide the slice boundaries.
-  return ((fused ? 0xF5u : 0xA5u) << 24) | (static_cast<uint32_t>(dtype) << 20) |
+  uint32_t kind = fused ? 0xF5u : 0xA5u;
+  if (collective == Collective::kReduceScatter) kind = 0xB5u;
+  if (collective == Collective::kAllGather) kind = 0xC5u;
+  return (kind << 24) | (static_cast<uint32_t>(dtype) << 20) |
          (static_cast<uint32_t>(tactic.algorithm) << 16) |
          (static_cast<uint32_t>(tactic.direction) << 13) | (tactic.staged ? 1u << 12 : 0u) |
          (static_cast<uint32_t>(tactic.protocol) << 14) |

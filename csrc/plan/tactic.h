@@ -36,6 +36,14 @@ enum class Direction : uint8_t { kPush = 0, kPull = 1 };
 // Every payload byte moved once (plan/protocol.h).
 enum class Protocol : uint8_t { kFlag = 0, kLL = 1, kLamport = 2 };
 
+// What a call computes. All-reduce: every rank's output is the sum of every rank's input.
+// Reduce-scatter (torch's reduce_scatter_tensor along dim 0): the message is cut into `world`
+// equal chunks and rank r's output, one chunk long, is chunk r of the sum. All-gather
+// (all_gather_into_tensor): rank r's input, one chunk long, becomes chunk r of every rank's
+// output. Reduce-scatter and all-gather are two-shot's two halves: they are built from the
+// two-shot algorithms (flat and island) only.
+enum class Collective : uint8_t { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2 };
+
 // True for the protocols whose data carries its own arrival (LL slots, no flags): LL and Lamport.
 constexpr bool flag_in_data(Protocol p) { return p == Protocol::kLL || p == Protocol::kLamport; }
 
@@ -52,6 +60,11 @@ inline constexpr auto kDirectionNames =
 inline constexpr auto kProtocolNames = name_table<Protocol>(
     "protocol",
     {{Protocol::kFlag, "flag"}, {Protocol::kLL, "ll"}, {Protocol::kLamport, "lamport"}});
+
+inline constexpr auto kCollectiveNames =
+    name_table<Collective>("collective", {{Collective::kAllReduce, "all_reduce"},
+                                          {Collective::kReduceScatter, "reduce_scatter"},
+                                          {Collective::kAllGather, "all_gather"}});
 
 inline constexpr auto kAllAlgorithms = kAlgorithmNames.values();
 inline constexpr auto kAllDTypes = kDTypeNames.values();
@@ -76,6 +89,10 @@ inline std::string_view dtype_name(DType dtype) { return kDTypeNames.name_of(dty
 inline std::string_view algorithm_name(Algorithm a) { return kAlgorithmNames.name_of(a); }
 inline std::string_view direction_name(Direction d) { return kDirectionNames.name_of(d); }
 inline std::string_view protocol_name(Protocol p) { return kProtocolNames.name_of(p); }
+inline std::string_view collective_name(Collective c) { return kCollectiveNames.name_of(c); }
+inline std::optional<Collective> parse_collective(std::string_view name) {
+  return kCollectiveNames.find(name);
+}
 inline std::optional<DType> parse_dtype(std::string_view name) { return kDTypeNames.find(name); }
 inline std::optional<Algorithm> parse_algorithm(std::string_view name) {
   return kAlgorithmNames.find(name);
@@ -94,7 +111,9 @@ std::string tactic_label(const Tactic& tactic);
 // peer that entered the same generation with a different call instead of reducing garbage.
 // `fused`: the call is all_reduce_add_rms_norm (top byte 0xF5, else 0xA5), so a rank in the fused
 // call and a peer in the plain all-reduce of the same tensor fail as a mismatch naming each
-// other, instead of each returning something the other did not compute.
-uint32_t call_signature(DType dtype, const Tactic& tactic, bool fused = false);
+// other, instead of each returning something the other did not compute. `collective`: a
+// reduce-scatter (0xB5) or all-gather (0xC5) likewise never pairs up with another collective.
+uint32_t call_signature(DType dtype, const Tactic& tactic, bool fused = false,
+                        Collective collective = Collective::kAllReduce);
 
 }  // namespace pcie_ar::plan

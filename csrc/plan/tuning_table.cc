@@ -219,8 +219,19 @@ class RowParser {
            std::to_string(row.min_bytes) + ")");
     }
     row.algorithm_text = std::string(cells[5]);
-    row.fallback = row.algorithm_text == "fallback";
-    if (!row.fallback) read_tactic(cells, row);
+    std::string_view algorithm = cells[5];
+    if (const size_t colon = algorithm.find(':'); colon != std::string_view::npos) {
+      const auto collective = parse_collective(algorithm.substr(0, colon));
+      if (!collective) {
+        fail("column algorithm: " + quoted(algorithm.substr(0, colon)) +
+             " before ':' is not a collective (expected " + kCollectiveNames.list() +
+             ", as in reduce_scatter:twoshot)");
+      }
+      row.collective = *collective;
+      algorithm.remove_prefix(colon + 1);
+    }
+    row.fallback = algorithm == "fallback";
+    if (!row.fallback) read_tactic(cells, algorithm, row);
     for (size_t i = kProtocolColumn + 1; i < cells.size(); ++i) row.extra.emplace_back(cells[i]);
     return row;
   }
@@ -242,9 +253,10 @@ class RowParser {
          " of the line; expected UTF-8 CSV text without control characters (tab aside)");
   }
 
-  void read_tactic(const std::vector<std::string_view>& cells, TableRow& row) const {
+  void read_tactic(const std::vector<std::string_view>& cells, std::string_view algorithm,
+                   TableRow& row) const {
     if (cells.size() < 10) fail_columns(cells.size());
-    row.algorithm = parse_algorithm(cells[5]);  // unknown: kept, skipped when matched
+    row.algorithm = parse_algorithm(algorithm);  // unknown: kept, skipped when matched
     if (row.algorithm) row.tactic.algorithm = *row.algorithm;
     const auto direction = parse_direction(cells[6]);
     if (!direction) {
@@ -330,11 +342,12 @@ std::string_view TuningTable::embedded_text() { return kSeedTable; }
 TuningTable TuningTable::embedded() { return parse(kSeedTable, "embedded seed table"); }
 
 TableChoice TuningTable::choose(std::string_view topology_key, int world, DType dtype,
-                                int64_t bytes, const RunnableCheck& why_not_runnable) const {
+                                int64_t bytes, const RunnableCheck& why_not_runnable,
+                                Collective collective) const {
   TableChoice choice;
   const std::string_view key = canonical_topology_key(topology_key);  // rows hold canonical keys
   for (const TableRow& row : rows_) {
-    if (!row.matches(key, world, dtype, bytes)) continue;
+    if (row.collective != collective || !row.matches(key, world, dtype, bytes)) continue;
     if (row.fallback) {
       choice.line = row.line;
       return choice;

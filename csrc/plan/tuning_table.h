@@ -14,7 +14,15 @@
 // "host" is "host_shm" (CPU tensors), "hostmem" is "cuda_host" (GPUs without peer-to-peer).
 // Parsed rows hold the canonical key, so canonical_text() and hash() are the same either way.
 // The eleventh column, protocol (flag, ll or lamport), is optional: absent or empty means flag, so
-// ten-column tables stay valid. Columns after the eleventh (measured times written by the
+// ten-column tables stay valid.
+//
+// A row decides the all-reduce unless its algorithm names another collective before a colon:
+//   *,*,*,0,65536,reduce_scatter:twoshot,push,0,1,256,ll
+//   *,*,*,0,*,all_gather:fallback
+// Such rows decide only that collective (plan/tactic.h), and all-reduce rows only the
+// all-reduce; a table without rows for a collective leaves it to the caller (the Communicator
+// derives it from the all-reduce's choice). Old tables have none: their text, rows and hash are
+// what they were. Columns after the eleventh (measured times written by the
 // tuner) are kept but never matched on.
 //
 // Integers are plain decimal digits checked against their range (world, blocks, threads:
@@ -57,7 +65,8 @@ struct TableRow {
   int64_t min_bytes = 0;       // inclusive
   int64_t max_bytes = -1;      // exclusive; -1 = no bound
   bool fallback = false;
-  std::string algorithm_text;  // as written, so an unknown name can be reported
+  std::string algorithm_text;                      // as written, so an unknown name can be reported
+  Collective collective = Collective::kAllReduce;  // the collective the row decides
   std::optional<Algorithm> algorithm;
   Tactic tactic;
   std::vector<std::string> extra;  // columns after the eleventh
@@ -87,9 +96,11 @@ class TuningTable {
   static TuningTable embedded();
   static std::string_view embedded_text();
 
-  // The first matching runnable row for a call; topology_key may be a legacy key.
+  // The first matching runnable row of `collective` for a call; topology_key may be a legacy
+  // key. line 0: no row of the collective matched and ran.
   TableChoice choose(std::string_view topology_key, int world, DType dtype, int64_t bytes,
-                     const RunnableCheck& why_not_runnable) const;
+                     const RunnableCheck& why_not_runnable,
+                     Collective collective = Collective::kAllReduce) const;
 
   const std::vector<TableRow>& rows() const { return rows_; }
   const std::string& source() const { return source_; }

@@ -99,8 +99,11 @@ class Simulation {
     heard_.assign(s.world, Clock(s.world, 0));
     hops_.assign(s.world, 0);
     epilogues_.assign(s.world, 0);
+    // An all-gather's input is one chunk, its rank's: the other chunks do not exist.
+    const bool gather = s.collective == Collective::kAllGather;
     for (int r = 0; r < s.world; ++r) {
       for (int c = 0; c < s.num_chunks; ++c) {
+        if (gather && c != r) continue;
         regions_[key(r, BufRef{Space::kInput, static_cast<uint8_t>(r), 0, 0}, c)].expr = r;
       }
     }
@@ -274,6 +277,18 @@ class Simulation {
   }
 
   void write(int r, int index, const Step& step, const BufRef& buf, int expr) {
+    if (buf.space == Space::kInput) {
+      error(where(r, index, step) + ": writes the rank's input, which the caller owns read-only");
+      return;
+    }
+    // A reduce-scatter's output is the one chunk the rank owns: any other chunk lies outside
+    // the caller's tensor.
+    if (buf.space == Space::kOutput && s_.collective == Collective::kReduceScatter &&
+        step.chunk != r) {
+      error(where(r, index, step) + ": writes output chunk " + std::to_string(step.chunk) +
+            "; a reduce-scatter's output is chunk " + std::to_string(r) + " only");
+      return;
+    }
     Region& region = regions_[key(r, buf, step.chunk)];
     if (region.writer >= 0 && region.writer != r && region.write_time > clocks_[r][region.writer]) {
       error(where(r, index, step) + ": overwrites data rank " + std::to_string(region.writer) +
@@ -421,7 +436,46 @@ class Simulation {
                                     : std::max(hops_[r], flag.avail);
   }
 
+  // `expr`, which `what` names, sums every rank's input exactly once, in rank order.
+  void check_whole_sum(const std::string& what, int expr) {
+    std::vector<int> counts(s_.world, 0);
+    exprs_.count_leaves(expr, counts);
+    for (int q = 0; q < s_.world; ++q) {
+      if (counts[q] != 1) {
+        error(what + ": rank " + std::to_string(q) + "'s input is summed " +
+              std::to_string(counts[q]) + " times, expected exactly once");
+      }
+    }
+    if (!exprs_.in_rank_order(expr)) error(what + ": operands are not in rank order");
+  }
+
+  // Reduce-scatter: rank r's one output chunk, r, is every input summed exactly once in rank
+  // order (one owner per chunk: nothing to agree with). All-gather: every chunk c of every
+  // output is rank c's input moved untouched (a copy, never a sum: bit-exact).
+  void check_collective_outputs() {
+    const bool scatter = s_.collective == Collective::kReduceScatter;
+    for (int r = 0; r < s_.world; ++r) {
+      for (int c = 0; c < s_.num_chunks; ++c) {
+        if (scatter && c != r) continue;
+        auto it = regions_.find(key(r, BufRef{Space::kOutput, static_cast<uint8_t>(r), 0, 0}, c));
+        const int expr = it == regions_.end() || it->second.writer < 0 ? -1 : it->second.expr;
+        const std::string what = "rank " + std::to_string(r) + " output chunk " +
+                                 std::to_string(c) + " = " + exprs_.text(expr);
+        if (expr < 0) {
+          error(what + ": never written");
+          continue;
+        }
+        if (!scatter) {
+          if (expr != c) error(what + ": expected rank " + std::to_string(c) + "'s input, copied");
+          continue;
+        }
+        check_whole_sum(what, expr);
+      }
+    }
+  }
+
   void check_outputs() {
+    if (s_.collective != Collective::kAllReduce) return check_collective_outputs();
     const Space out_space = Space::kOutput;
     for (int c = 0; c < s_.num_chunks; ++c) {
       int reference = -2;
@@ -434,15 +488,7 @@ class Simulation {
           error(what + ": never written");
           continue;
         }
-        std::vector<int> counts(s_.world, 0);
-        exprs_.count_leaves(expr, counts);
-        for (int q = 0; q < s_.world; ++q) {
-          if (counts[q] != 1) {
-            error(what + ": rank " + std::to_string(q) + "'s input is summed " +
-                  std::to_string(counts[q]) + " times, expected exactly once");
-          }
-        }
-        if (!exprs_.in_rank_order(expr)) error(what + ": operands are not in rank order");
+        check_whole_sum(what, expr);
         if (reference == -2) {
           reference = expr;
         } else if (expr != reference) {
@@ -546,6 +592,16 @@ Verification verify(const Schedule& schedule, const VerifyOptions& options) {
                        std::to_string(schedule.island_of.size()) + " island entries, " +
                        std::to_string(schedule.num_chunks) + " chunks");
     return v;
+  }
+  if (schedule.collective != Collective::kAllReduce) {
+    const std::string name(collective_name(schedule.collective));
+    if (schedule.num_chunks != W) {
+      v.errors.push_back("a " + name + " cuts the message into world = " + std::to_string(W) +
+                         " chunks, not " + std::to_string(schedule.num_chunks));
+    }
+    if (options.in_place) v.errors.push_back("a " + name + " has no in-place form");
+    if (schedule.epilogue) v.errors.push_back("the epilogue ends an all-reduce, not a " + name);
+    if (!v.errors.empty()) return v;
   }
   v.sent_to.assign(W, std::vector<double>(W, 0.0));
   for (const auto& program : schedule.programs) {

@@ -16,6 +16,12 @@
 //    fence), so it proves progress (the writer has started the call) but not visibility.
 //  - a fused schedule (Schedule::epilogue) ends every rank's program with exactly one epilogue
 //    step, and each rank's output holds the whole sum, every chunk, before it runs.
+//  - a reduce-scatter (Schedule::collective) writes only chunk r of rank r's output, and that
+//    chunk is every input summed exactly once in rank order; an all-gather reads only chunk r of
+//    rank r's input, and every output chunk c is rank c's input, copied (bit-exact). No
+//    schedule writes an input.
+//    The message is the whole tensor of `world` chunks in both (the all-gather's output, the
+//    reduce-scatter's input); the executors address the one-chunk tensor from its chunk.
 // It also counts the elements that cross between islands, and what each rank pays in
 // synchronisation (Cost).
 #pragma once

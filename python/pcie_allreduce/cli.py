@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "beside our all-reduce alone, the unfused path (ours + torch add and "
                         "rms_norm) and the fallback's")
     b.add_argument("--hidden", type=int, default=4096, help="--fused: elements per row")
+    b.add_argument("--collective", choices=["all_reduce", "reduce_scatter", "all_gather"],
+                   default="all_reduce",
+                   help="reduce_scatter or all_gather (dim 0, per message size): ours beside "
+                        "our all-reduce of the same message and the fallback's own collective")
     b.set_defaults(func=_command("bench"))
 
     u = sub.add_parser("tune", help="measure this host once and write its tuning cache")

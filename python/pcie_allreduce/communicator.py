@@ -90,6 +90,10 @@ class PcieAllReduce:
         self._op_fused = ops.all_reduce_add_rms_norm.default
         self._op_fused_in_place = ops.all_reduce_add_rms_norm_.default
         self._op_fused_into = ops.all_reduce_add_rms_norm_into.default
+        self._op_reduce_scatter = ops.reduce_scatter.default
+        self._op_reduce_scatter_into = ops.reduce_scatter_into.default
+        self._op_all_gather = ops.all_gather.default
+        self._op_all_gather_into = ops.all_gather_into.default
         self._destroyed = False
         self._captures = 0
         if self.rank == 0:
@@ -304,6 +308,50 @@ class PcieAllReduce:
             residual_out = torch.empty_like(residual)
         self._op_fused_into(x, residual, weight, eps, self.handle, out, residual_out)
         return out, residual_out
+
+    # ------------------------------------------------------------------ reduce-scatter, all-gather
+    COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+    def collective_decline_reason(self, x: torch.Tensor, collective: str) -> Optional[str]:
+        """None when the kernels would run ``collective`` (``"all_reduce"``,
+        ``"reduce_scatter"`` or ``"all_gather"``) with input ``x``; else the reason code
+        (``stats()["collectives"][collective]["declines"]``). Depends only on what every rank
+        agrees on (shape, dtype, the table): every rank declines together."""
+        if collective not in self.COLLECTIVES:
+            raise ValueError(f"collective must be one of {', '.join(self.COLLECTIVES)}; "
+                             f"got {collective!r}")
+        return self._comm.collective_decline_reason(collective, x)
+
+    def should_use_collective(self, x: torch.Tensor, collective: str) -> bool:
+        return self.collective_decline_reason(x, collective) is None
+
+    def chosen_collective_tactic(self, x: torch.Tensor, collective: str) -> str:
+        """The tactic label that runs ``collective`` with input ``x``, or ``"fallback"``."""
+        if collective not in self.COLLECTIVES:
+            raise ValueError(f"collective must be one of {', '.join(self.COLLECTIVES)}; "
+                             f"got {collective!r}")
+        return self._comm.chosen_collective_tactic(collective, x)
+
+    def reduce_scatter(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """torch's ``reduce_scatter_tensor`` along dim 0, summing: ``x`` is ``[world * m, ...]``
+        and the result ``[m, ...]`` is rows ``[rank * m, (rank + 1) * m)`` of the sum over ranks,
+        formed as ``all_reduce`` forms it (fp32, rank order, rounded once). ``out`` (disjoint
+        from ``x``) receives it when given. A call the kernels decline
+        (``collective_decline_reason``) runs the group's own reduce-scatter."""
+        if out is None:
+            return self._op_reduce_scatter(x, self.world_size, self.handle)
+        self._op_reduce_scatter_into(x, self.handle, out)
+        return out
+
+    def all_gather(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """torch's ``all_gather_into_tensor`` along dim 0: ``x`` is ``[m, ...]`` and the result
+        ``[world * m, ...]`` holds rank q's ``x`` at rows ``[q * m, (q + 1) * m)``, bit for bit.
+        ``out`` (disjoint from ``x``) receives it when given. A call the kernels decline runs
+        the group's own all-gather."""
+        if out is None:
+            return self._op_all_gather(x, self.world_size, self.handle)
+        self._op_all_gather_into(x, self.handle, out)
+        return out
 
     def synchronize(self) -> None:
         """Waits for the device; a kernel that timed out raises PcieAllReduceTimeout here."""

@@ -2,7 +2,8 @@
 
 Loading ``pcie_allreduce._C`` runs its ``TORCH_LIBRARY`` block, which defines the torch ops
 ``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}`` and the fused
-``all_reduce_add_rms_norm{,_,_into}``; this module then
+``all_reduce_add_rms_norm{,_,_into}``, ``reduce_scatter{,_into}`` and
+``all_gather{,_into}``; this module then
 registers their fake implementations, so ``torch.compile`` can trace a call before any op runs.
 ``import pcie_allreduce`` does not import this module: a disabled engine plugin loads neither
 the extension nor torch. Every module that needs the extension imports ``_C`` from here.
@@ -50,4 +51,31 @@ def _all_reduce_add_rms_norm_inplace_fake(x: torch.Tensor, residual: torch.Tenso
 def _all_reduce_add_rms_norm_into_fake(x: torch.Tensor, residual: torch.Tensor,
                                        weight: torch.Tensor, eps: float, handle: int,
                                        out: torch.Tensor, residual_out: torch.Tensor) -> None:
+    return None
+
+
+def _collective_shape(inp: torch.Tensor, world: int, scatter: bool) -> list:
+    shape = list(inp.shape)
+    if shape:
+        shape[0] = shape[0] // world if scatter else shape[0] * world
+    return shape
+
+
+@torch.library.register_fake("pcie_allreduce::reduce_scatter")
+def _reduce_scatter_fake(inp: torch.Tensor, world: int, handle: int) -> torch.Tensor:
+    return torch.empty(_collective_shape(inp, world, True), dtype=inp.dtype, device=inp.device)
+
+
+@torch.library.register_fake("pcie_allreduce::reduce_scatter_into")
+def _reduce_scatter_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.register_fake("pcie_allreduce::all_gather")
+def _all_gather_fake(inp: torch.Tensor, world: int, handle: int) -> torch.Tensor:
+    return torch.empty(_collective_shape(inp, world, False), dtype=inp.dtype, device=inp.device)
+
+
+@torch.library.register_fake("pcie_allreduce::all_gather_into")
+def _all_gather_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
     return None

@@ -45,16 +45,18 @@ def build(
     direction: str = "push",
     staged: bool = True,
     protocol: str = "flag",
+    collective: str = "all_reduce",
 ) -> "_C.Schedule":
     """A schedule for `algorithm` on `world` ranks; ValueError says why one cannot be built.
 
     protocol="ll" builds the flag-in-data variant (push, unstaged): no fences, no flag words,
     every reader polls only its own memory; protocol="lamport" the same steps with the payload
     stored as it is (half of LL's bytes; an empty-word sentinel instead of tags). `.cost()` on
-    the result counts what each rank pays.
+    the result counts what each rank pays. collective="reduce_scatter" or "all_gather" builds
+    that half of a two-shot algorithm (twoshot, island_twoshot).
     """
     return _C.build_schedule(
-        algorithm, world, island_map(world, islands), direction, staged, protocol
+        algorithm, world, island_map(world, islands), direction, staged, protocol, collective
     )
 
 
@@ -65,7 +67,8 @@ def why_unsupported(
     direction: str = "push",
     staged: bool = False,
     protocol: str = "flag",
+    collective: str = "all_reduce",
 ) -> Optional[str]:
     return _C.why_unsupported(
-        algorithm, world, island_map(world, islands), direction, staged, protocol
+        algorithm, world, island_map(world, islands), direction, staged, protocol, collective
     )

@@ -280,3 +280,122 @@ TEST(HostThreadsGroups, TwoGroupsRunConcurrently) {
 
 }  // namespace
 }  // namespace pcie_ar::transport
+
+namespace pcie_ar::transport {
+namespace {
+
+// ------------------------------------------------------------------ reduce-scatter, all-gather
+
+// One rank of a reduce-scatter and all-gather workload: every buildable tactic of both x dtype,
+// the one-chunk tensors between guards and addressed from chunk 0 of the message (as the
+// Communicator addresses them). The reduce-scatter must be the design's expression bit for bit,
+// the all-gather every rank's bits.
+void collective_rank(int world, const std::vector<int>& island_of, const plan::Layout& layout,
+                     Group& group, int rank, RankResult& result) {
+  try {
+    group.owned[rank] =
+        std::make_unique<HostShmWorkspace>(layout, rank, /*initial_gen=*/0, kWaitTimeoutS);
+    HostShmWorkspace& ws = *group.owned[rank];
+    group.workspaces[rank] = &ws;
+    group.barrier.arrive_and_wait(kWaitTimeoutS);
+    connect(ws, group);
+    group.barrier.arrive_and_wait(kWaitTimeoutS);
+    ws.retire_token();
+    constexpr int64_t kChunkVecs = 37;
+    int calls = 0;
+    for (const plan::Collective collective :
+         {plan::Collective::kReduceScatter, plan::Collective::kAllGather}) {
+      const bool scatter = collective == plan::Collective::kReduceScatter;
+      for (const plan::Tactic& built : plan::buildable_tactics(world, island_of, collective)) {
+        const plan::Schedule schedule =
+            plan::build_schedule(built.algorithm, built.direction, built.staged, world, island_of,
+                                 built.protocol, collective);
+        const int program = ws.add_program(plan::encode_program(schedule, rank));
+        const bool island = plan::is_island_algorithm(built.algorithm);
+        for (DType dtype : plan::kAllDTypes) {
+          const int elem = plan::dtype_bytes(dtype);
+          const int64_t chunk = kChunkVecs * plan::kVectorBytes / elem;
+          const size_t chunk_bytes = static_cast<size_t>(chunk) * elem;
+          const uint64_t seed = 7001 + calls;
+          std::vector<uint8_t> whole(world * chunk_bytes, 0x5A);
+          std::vector<uint8_t> piece(3 * chunk_bytes, host_test::kGuardByte);  // guard|chunk|guard
+          uint8_t* mine = piece.data() + chunk_bytes;
+          const auto shifted = [&](uint8_t* p) {
+            return reinterpret_cast<uint8_t*>(reinterpret_cast<uintptr_t>(p) - rank * chunk_bytes);
+          };
+          const auto value = [&](int r, int64_t e) {
+            return host_test::input_value(seed, r, e, dtype);
+          };
+          if (scatter) {
+            for (int64_t e = 0; e < world * chunk; ++e)
+              encode(dtype, value(rank, e), &whole[e * elem]);
+          } else {
+            for (int64_t e = 0; e < chunk; ++e)
+              encode(dtype, value(rank, rank * chunk + e), &mine[e * elem]);
+          }
+          plan::Tactic tactic = built;
+          tactic.blocks = 1 + calls % 3;
+          host_test::run_call(ws, program, dtype, tactic.blocks,
+                              scatter ? whole.data() : shifted(mine),
+                              scatter ? shifted(mine) : whole.data(), world * chunk,
+                              plan::call_signature(dtype, tactic, false, collective));
+          std::string wrong;
+          for (size_t i = 0; i < chunk_bytes && wrong.empty(); ++i) {
+            if (piece[i] != host_test::kGuardByte ||
+                piece[2 * chunk_bytes + i] != host_test::kGuardByte) {
+              wrong = "wrote outside its one-chunk tensor";
+            }
+          }
+          uint8_t want[4];
+          for (int64_t i = 0; i < (scatter ? chunk : world * chunk) && wrong.empty(); ++i) {
+            const int64_t index = scatter ? rank * chunk + i : i;
+            const float v =
+                scatter ? host_test::expected_element(seed, world, island_of, island, index, dtype)
+                              .value
+                        : value(static_cast<int>(i / chunk), i);
+            encode(dtype, v, want);
+            if (std::memcmp(want, (scatter ? mine : whole.data()) + i * elem, elem) != 0) {
+              wrong = "element " + std::to_string(i) + " is wrong";
+            }
+          }
+          if (!wrong.empty() && result.wrong_calls++ == 0) {
+            result.first_wrong = "rank " + std::to_string(rank) + " " +
+                                 std::string(plan::collective_name(collective)) + " " +
+                                 plan::tactic_label(tactic) + " " +
+                                 std::string(plan::dtype_name(dtype)) + ": " + wrong;
+          }
+          result.calls_done = ++calls;
+        }
+      }
+    }
+    ws.close_peers();
+    group.barrier.arrive_and_wait(kWaitTimeoutS);
+    ws.release();
+  } catch (const std::exception& e) {
+    result.error = e.what();
+    group.barrier.break_it();
+  }
+}
+
+TEST_P(HostThreads, CollectivesMatchTheDesignsExpressionAndMoveEveryBit) {
+  const GroupParam& p = GetParam();
+  const plan::Layout layout =
+      plan::make_layout(p.world * 37 * 4, p.world, 4, HostShmWorkspace::kMaxBlocks);
+  Group group(p.world);
+  std::vector<RankResult> results(p.world);
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < p.world; ++r) {
+      threads.emplace_back(collective_rank, p.world, std::cref(p.island_of), std::cref(layout),
+                           std::ref(group), r, std::ref(results[r]));
+    }
+  }
+  for (int r = 0; r < p.world; ++r) {
+    EXPECT_EQ(results[r].error, "") << "rank " << r;
+    EXPECT_GT(results[r].calls_done, 20) << "rank " << r;
+    EXPECT_EQ(results[r].wrong_calls, 0) << results[r].first_wrong;
+  }
+}
+
+}  // namespace
+}  // namespace pcie_ar::transport

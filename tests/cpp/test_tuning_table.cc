@@ -391,3 +391,64 @@ TEST(TuningTable, EmbeddedSeedRunsGpusWithoutP2PThroughHostMemoryAtEverySize) {
 
 }  // namespace
 }  // namespace pcie_ar::plan
+
+namespace pcie_ar::plan {
+namespace {
+
+// Rows of another collective (reduce_scatter:..., all_gather:...) decide only it; all-reduce rows
+// only the all-reduce; a table without them is unchanged, hash included.
+TEST(TuningTableCollectives, RowsDecideOnlyTheCollectiveTheyName) {
+  const std::string all_reduce_rows =
+      "*,*,*,0,65536,oneshot,push,0,2,128,ll\n"
+      "*,*,*,0,*,fallback\n";
+  const TuningTable old = TuningTable::parse(all_reduce_rows);
+  const TuningTable t = TuningTable::parse(
+      "*,*,*,0,4096,reduce_scatter:twoshot,pull,1,4,256\n"
+      "*,*,bf16,0,*,all_gather:fallback\n" +
+      all_reduce_rows + "*,*,*,0,*,reduce_scatter:island_twoshot,push,0,8,64,lamport\n");
+  const RunnableCheck any = nullptr;
+  const TableChoice ar = t.choose("flat", 4, DType::kBF16, 1024, any);
+  EXPECT_EQ(ar.line, 3);
+  EXPECT_EQ(ar.tactic.algorithm, Algorithm::kOneshot);
+  const TableChoice rs = t.choose("flat", 4, DType::kBF16, 1024, any, Collective::kReduceScatter);
+  EXPECT_EQ(rs.line, 1);
+  EXPECT_EQ(rs.tactic.algorithm, Algorithm::kTwoshot);
+  EXPECT_EQ(rs.tactic.direction, Direction::kPull);
+  EXPECT_TRUE(rs.tactic.staged);
+  const TableChoice rs_large =
+      t.choose("flat", 4, DType::kBF16, 1 << 20, any, Collective::kReduceScatter);
+  EXPECT_EQ(rs_large.line, 5);
+  EXPECT_EQ(rs_large.tactic.protocol, Protocol::kLamport);
+  const TableChoice ag = t.choose("flat", 4, DType::kBF16, 1024, any, Collective::kAllGather);
+  EXPECT_TRUE(ag.fallback);
+  EXPECT_EQ(ag.line, 2);
+  // fp32 all-gathers: no row of theirs matches (line 0), whatever the all-reduce rows say.
+  EXPECT_EQ(t.choose("flat", 4, DType::kFP32, 1024, any, Collective::kAllGather).line, 0);
+  EXPECT_EQ(old.choose("flat", 4, DType::kBF16, 1024, any, Collective::kReduceScatter).line, 0);
+  // The all-reduce rows' canonical text is what it was; the new rows keep their prefix.
+  EXPECT_NE(t.canonical_text().find("reduce_scatter:twoshot,pull,1,4,256\n"), std::string::npos);
+  EXPECT_NE(t.canonical_text().find(old.canonical_text()), std::string::npos);
+  EXPECT_NE(t.hash(), old.hash());
+  EXPECT_EQ(TuningTable::parse("# a comment\n" + all_reduce_rows).hash(), old.hash());
+}
+
+TEST(TuningTableCollectives, ANameBeforeTheColonMustBeACollective) {
+  try {
+    TuningTable::parse("*,*,*,0,*,broadcast:twoshot,push,0,1,64\n", "t.csv");
+    FAIL() << "parsed";
+  } catch (const TableError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("t.csv line 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("'broadcast' before ':' is not a collective"), std::string::npos) << what;
+  }
+  // An unknown algorithm after a known collective is kept and skipped when matched, like any.
+  const TuningTable t = TuningTable::parse("*,*,*,0,*,all_gather:threeshot,push,0,1,64\n");
+  const TableChoice c = t.choose("flat", 2, DType::kBF16, 64, nullptr, Collective::kAllGather);
+  EXPECT_TRUE(c.fallback);
+  ASSERT_EQ(c.skipped.size(), 1u);
+  EXPECT_NE(c.skipped[0].second.find("unknown algorithm 'all_gather:threeshot'"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace pcie_ar::plan

@@ -843,6 +843,152 @@ void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
   latency_table.push_back(line);
 }
 
+// Reduce-scatter and all-gather (issue 25): every buildable tactic of each, flat and (world >= 4)
+// two halves, bf16 and fp32, a 96 KiB message (12 KiB for LL tactics). The one-chunk tensors are
+// addressed as the Communicator addresses them, from `rank` chunks below the tensor. The
+// reduce-scatter's chunk must equal, bit for bit, chunk r of the all-reduce of the same
+// algorithm family, tactic and inputs; the all-gather must return every rank's bytes; the bytes
+// after the one-chunk output must stay as they were. Then, graph-timed at 12 KiB and 96 KiB
+// (bf16): the best of each beside the best all-reduce.
+void check_collectives(CudaLoopback& lb, const std::vector<Case>& cases,
+                       const std::vector<int>& ids, Buffers& buf,
+                       std::vector<std::string>& latency_table) {
+  const int world = buf.world;
+  Tally& t = tally("world " + std::to_string(world) + " | reduce-scatter, all-gather");
+  std::vector<std::vector<int>> maps = {{}};
+  if (world >= 4) {
+    std::vector<int> halves(world);
+    for (int r = 0; r < world; ++r) halves[r] = r < world / 2 ? 0 : 1;
+    maps.push_back(halves);
+  }
+  const auto below = [](uint8_t* p, int r, int64_t chunk_bytes) {
+    return reinterpret_cast<uint8_t*>(reinterpret_cast<uintptr_t>(p) - r * chunk_bytes);
+  };
+  std::map<int64_t, double> best[3];  // collective -> message bytes -> us
+  std::map<int64_t, std::string> best_label[3];
+  const std::vector<int64_t> timed_sizes = {12 * 1024, 96 * 1024};
+  for (size_t i = 0; i < cases.size(); ++i) {  // the all-reduce's best, for the ratio
+    const Case& c = cases[i];
+    if (c.interleaved) continue;
+    for (int64_t bytes : timed_sizes) {
+      if (c.ll && bytes > lb.layout().ll_capacity_bytes) continue;
+      const plan::Tactic timed = tactic_of(c, 4, 512);
+      const double us = time_per_call_us(lb, ids[i], timed, bytes / 2, buf);
+      if (!best[0].count(bytes) || us < best[0][bytes]) {
+        best[0][bytes] = us;
+        best_label[0][bytes] = plan::tactic_label(timed);
+      }
+    }
+  }
+  for (const plan::Collective collective :
+       {plan::Collective::kReduceScatter, plan::Collective::kAllGather}) {
+    const int k = static_cast<int>(collective);
+    const bool scatter = collective == plan::Collective::kReduceScatter;
+    for (const auto& island_of : maps) {
+      for (const plan::Tactic& built : plan::buildable_tactics(world, island_of, collective)) {
+        if (plan::is_island_algorithm(built.algorithm) == island_of.empty()) continue;
+        const plan::Schedule schedule =
+            plan::build_schedule(built.algorithm, built.direction, built.staged, world, island_of,
+                                 built.protocol, collective);
+        const int id = lb.add_schedule(schedule);
+        const int ar = lb.add_schedule(plan::build_schedule(
+            built.algorithm, built.direction, built.staged, world, island_of, built.protocol));
+        const bool ll = plan::flag_in_data(built.protocol);
+        plan::Tactic tactic = built;
+        tactic.blocks = 4;
+        tactic.threads = 256;
+        for (DType dtype : {DType::kBF16, DType::kFP32}) {
+          const int64_t bytes = ll ? 12 * 1024 : 96 * 1024;
+          const int64_t numel = bytes / plan::dtype_bytes(dtype);
+          const int64_t chunk_bytes = bytes / world;
+          if (chunk_bytes % plan::kVectorBytes != 0) continue;
+          const Data data(world, dtype, bytes, 311 + world + k);
+          const std::string what = "world " + std::to_string(world) + " " +
+                                   std::string(plan::collective_name(collective)) + " " +
+                                   plan::tactic_label(tactic) + " " +
+                                   std::string(plan::dtype_name(dtype));
+          std::vector<std::vector<uint8_t>> want(world);
+          std::vector<const void*> inputs(world);
+          std::vector<void*> outputs(world);
+          if (scatter) {
+            for (int r = 0; r < world; ++r) {
+              CHECK_CUDA(
+                  cudaMemcpy(buf.in[r], data.inputs[r].data(), bytes, cudaMemcpyHostToDevice));
+            }
+            lb.launch(ar, dtype, tactic, buf.inputs(), buf.outputs(), numel,
+                      plan::call_signature(dtype, tactic), buf.stream);
+            CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+            for (int r = 0; r < world; ++r) {
+              want[r].resize(chunk_bytes);
+              CHECK_CUDA(cudaMemcpy(want[r].data(), buf.out[r] + r * chunk_bytes, chunk_bytes,
+                                    cudaMemcpyDeviceToHost));
+              CHECK_CUDA(cudaMemset(buf.out[r], 0xA5, chunk_bytes + kGuardBytes));
+              inputs[r] = buf.in[r];
+              outputs[r] = below(buf.out[r], r, chunk_bytes);
+            }
+          } else {
+            for (int r = 0; r < world; ++r) {
+              CHECK_CUDA(cudaMemcpy(buf.in[r], data.inputs[r].data(), chunk_bytes,
+                                    cudaMemcpyHostToDevice));
+              CHECK_CUDA(cudaMemset(buf.out[r], 0xA5, bytes + kGuardBytes));
+              inputs[r] = below(buf.in[r], r, chunk_bytes);
+              outputs[r] = buf.out[r];
+            }
+          }
+          lb.launch(id, dtype, tactic, inputs, outputs, numel,
+                    plan::call_signature(dtype, tactic, false, collective), buf.stream);
+          CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+          bool ok = true;
+          const int64_t written = scatter ? chunk_bytes : bytes;
+          for (int r = 0; r < world && ok; ++r) {
+            std::vector<uint8_t> got(written + kGuardBytes);
+            CHECK_CUDA(cudaMemcpy(got.data(), buf.out[r], got.size(), cudaMemcpyDeviceToHost));
+            for (int64_t i = written; i < static_cast<int64_t>(got.size()) && ok; ++i) {
+              if (got[i] != 0xA5) {
+                report(what + ": rank " + std::to_string(r) + " wrote past its output");
+                ok = false;
+              }
+            }
+            for (int q = 0; q < (scatter ? 1 : world) && ok; ++q) {
+              const uint8_t* expect = scatter ? want[r].data() : data.inputs[q].data();
+              if (std::memcmp(got.data() + (scatter ? 0 : q * chunk_bytes), expect, chunk_bytes) !=
+                  0) {
+                report(what + ": rank " + std::to_string(r) +
+                       (scatter ? " differs from chunk r of the all-reduce"
+                                : " chunk " + std::to_string(q) + " is not rank " +
+                                      std::to_string(q) + "'s input"));
+                ok = false;
+              }
+            }
+          }
+          ok ? t.pass++ : t.fail++;
+        }
+        for (int64_t bytes : timed_sizes) {
+          if (ll && bytes > lb.layout().ll_capacity_bytes) continue;
+          plan::Tactic timed = built;
+          timed.blocks = 4;
+          timed.threads = 512;
+          const double us = time_per_call_us(lb, id, timed, bytes / 2, buf);
+          if (!best[k].count(bytes) || us < best[k][bytes]) {
+            best[k][bytes] = us;
+            best_label[k][bytes] = plan::tactic_label(timed);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t bytes : timed_sizes) {
+    char line[512];
+    std::snprintf(line, sizeof(line),
+                  "\nworld %d, %s bf16 message: all-reduce %.2f us (%s); reduce-scatter %.2f us "
+                  "(%s), %.2fx; all-gather %.2f us (%s), %.2fx",
+                  world, size_label(bytes).c_str(), best[0][bytes], best_label[0][bytes].c_str(),
+                  best[1][bytes], best_label[1][bytes].c_str(), best[1][bytes] / best[0][bytes],
+                  best[2][bytes], best_label[2][bytes].c_str(), best[2][bytes] / best[0][bytes]);
+    latency_table.push_back(line);
+  }
+}
+
 void run_world(int world, bool quick, bool latency, std::vector<std::string>& latency_table) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t max_bytes = 1024 * 1024;
@@ -866,6 +1012,7 @@ void run_world(int world, bool quick, bool latency, std::vector<std::string>& la
   check_correctness(lb, cases, ids, buf, sizes, quick);
   check_graph_replay(lb, cases, ids, buf);
   check_fused(lb, cases, buf, latency_table);
+  check_collectives(lb, cases, ids, buf, latency_table);
   if (latency) {
     measure_latency(lb, cases, ids, buf, {1024, 12 * 1024, 96 * 1024, 384 * 1024, 1024 * 1024},
                     "device memory", latency_table);

@@ -57,8 +57,9 @@ def test_deterministic_mode_pins_oneshot_and_the_warm_up_leaves_a_given_table_al
     for r in run_ranks(_deterministic, 2).values():
         assert r["chosen"] == {"oneshot/push/unstaged/flag/b1/t32"}
         assert r["warm"]["tuned"] is False and "table was given" in r["warm"]["why_not_tuned"]
-        # One tactic: its program and its fused program (all_reduce_add_rms_norm).
-        assert r["warm"]["programs"] == 2 and r["warm"]["rows_covered"] == 8
+        # One tactic: its program and its fused program (all_reduce_add_rms_norm), and the
+        # two-shot reduce-scatter's and all-gather's derived from it.
+        assert r["warm"]["programs"] == 4 and r["warm"]["rows_covered"] == 8
         assert "enabled; calls: oneshot/push/unstaged/flag/b1/t32 1; declines: none" in r["line"]
         assert "table: table argument" in r["line"]
 

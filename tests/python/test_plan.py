@@ -188,3 +188,22 @@ def test_derived_rows_cover_every_size_once():
         assert int(hi) == lo
     flag_in_data = [r for r in rows if r.split(",")[-1] in ("ll", "lamport")]
     assert flag_in_data and all(int(r.split(",")[4]) <= model.MAX_LL_BYTES for r in flag_in_data)
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+def test_collectives_are_two_shots_halves_and_cost_half_its_bytes(collective):
+    whole = plan.build("twoshot", 4, staged=False).cost(1 << 20)
+    half_schedule = plan.build("twoshot", 4, staged=False, collective=collective)
+    assert half_schedule.verify()["ok"]
+    assert half_schedule.to_dict()["collective"] == collective
+    half = half_schedule.cost(1 << 20)
+    assert half["busiest_link_bytes"] == whole["busiest_link_bytes"] / 2
+    assert half["modelled_us"] < 0.6 * whole["modelled_us"]
+    assert "two-shot algorithms" in plan.why_unsupported("oneshot", 4, collective=collective)
+    with pytest.raises(ValueError):
+        plan.build("island_oneshot", 4, islands=[[0, 1], [2, 3]], collective=collective)
+    # The island form crosses the socket link once per chunk: a quarter of the flat one at 4+4.
+    island = plan.build("island_twoshot", 8, islands=TWO_BY_FOUR, collective=collective).verify()
+    flat = plan.build("twoshot", 8, islands=TWO_BY_FOUR, collective=collective).verify()
+    assert island["ok"] and flat["ok"]
+    assert island["cross_island_elements"] == 0.5 and flat["cross_island_elements"] == 2.0

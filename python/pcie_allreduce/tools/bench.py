@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import policy
-from ..testing import DTYPES, count_wrong, fused_float64, rank_input
+from ..testing import DTYPES, RTOL, count_wrong, fused_float64, rank_input, reference
 from .ranks import GPU_TRANSPORTS, Rank, json_problem, run_ranks, set_up, transport_and_world
 
 
@@ -235,6 +235,107 @@ def _fused_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue:
     _finish(r, out, queue)
 
 
+# ---------------------------------------------------------------- --collective
+_COLLECTIVE_SEED = 2
+# torch 2.14 renamed the tensor forms (the old names warn); older torch has only those.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _collective_wrong(r: Rank, got: torch.Tensor, collective: str, numel: int, dtype: torch.dtype,
+                      dtype_name: str) -> int:
+    """Wrong elements of one reduce-scatter (against the float64 sum, as count_wrong judges an
+    all-reduce) or all-gather (bit for bit) of a message of `numel` elements."""
+    chunk = numel // r.world
+    got = got.cpu().reshape(-1)
+    if collective == "all_gather":
+        expected = torch.cat([rank_input(q, chunk, dtype, seed=_COLLECTIVE_SEED)
+                              for q in range(r.world)])
+        return int((got.view(torch.uint8) != expected.view(torch.uint8)).sum().item())
+    total, mag = reference(r.world, numel, dtype, _COLLECTIVE_SEED)
+    mine = slice(r.ar.rank * chunk, (r.ar.rank + 1) * chunk)
+    err = (got.double() - total[mine]).abs()
+    return int((err > RTOL[dtype_name] * mag[mine] + 1e-6).sum().item())
+
+
+def _collective_worker(rank: int, world: int, port: int, opts: Dict[str, Any],
+                       queue: Any) -> None:
+    """Per message size (the reduce-scatter's input, the all-gather's output): ours, our
+    all-reduce of the same message and the group's own collective, interleaved in rounds."""
+    collective, dtype_name = opts["collective"], opts["dtype"]
+    dtype = DTYPES[dtype_name]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    sizes = [s for s in sizes_between(opts["min_bytes"], opts["max_bytes"], opts["step_factor"],
+                                      elem) if s % (16 * world) == 0]
+    r = set_up(rank, world, port, opts, max(sizes) // elem)
+    rows = []
+    for size in sizes:
+        numel = size // elem
+        chunk = numel // world
+        if collective == "reduce_scatter":
+            x = rank_input(rank, numel, dtype, seed=_COLLECTIVE_SEED).to(r.device)
+            out = torch.empty(chunk, dtype=dtype, device=r.device)
+            whole = x
+        else:
+            x = rank_input(rank, chunk, dtype, seed=_COLLECTIVE_SEED).to(r.device)
+            out = torch.empty(numel, dtype=dtype, device=r.device)
+            whole = torch.cat([x] * world)
+        got = r.ar.reduce_scatter(x) if collective == "reduce_scatter" else r.ar.all_gather(x)
+        r.ar.synchronize()
+        wrong = _collective_wrong(r, got, collective, numel, dtype, dtype_name)
+        fb_out = torch.empty_like(out)
+
+        def ours() -> None:
+            if collective == "reduce_scatter":
+                r.ar.reduce_scatter(x, out=out)
+            else:
+                r.ar.all_gather(x, out=out)
+
+        def all_reduce() -> None:
+            r.ar.all_reduce(whole)
+
+        def fallback() -> None:
+            if collective == "reduce_scatter":
+                _REDUCE_SCATTER(fb_out, x, group=r.group)
+            else:
+                _ALL_GATHER(fb_out, x, group=r.group)
+
+        times = {k: [] for k in ("ours", "all_reduce", "fallback")}
+        for _ in range(opts["rounds"]):
+            for name, fn in (("ours", ours), ("all_reduce", all_reduce), ("fallback", fallback)):
+                times[name].append(_seconds_per_call(r, fn, opts))
+        best = {k: min(v) for k, v in times.items()}
+        row = {"size": size, "count": numel, "type": dtype_name, "collective": collective,
+               "time_us": best["ours"] * 1e6, "all_reduce_us": best["all_reduce"] * 1e6,
+               "fallback_us": best["fallback"] * 1e6,
+               "over_all_reduce": best["ours"] / best["all_reduce"],
+               "speedup": best["fallback"] / best["ours"], "wrong": wrong,
+               "tactic": r.ar.chosen_collective_tactic(x, collective)}
+        rows.append(row)
+        if rank == 0:
+            print(_format_collective_row(row), flush=True)
+    _finish(r, rows, queue)
+
+
+def _format_collective_row(r: Dict[str, Any]) -> str:
+    return (f"{r['size']:>10} {r['count']:>9} {r['type']:>5} {r['time_us']:>9.2f} "
+            f"{r['all_reduce_us']:>9.2f} {r['fallback_us']:>9.2f} {r['over_all_reduce']:>8.2f}x "
+            f"{r['speedup']:>8.2f}x {r['wrong']:>6}  {r['tactic']}")
+
+
+def _print_collective_header(transport: str, world: int, dtype_name: str,
+                             collective: str) -> None:
+    fallback = "nccl" if transport in GPU_TRANSPORTS else "gloo"
+    print(f"# pcie-allreduce bench --collective {collective}: transport={transport} "
+          f"world={world} dtype={dtype_name} fallback={fallback} host={platform.node()} "
+          f"cpus={os.cpu_count()} torch={torch.__version__}")
+    print(f"# size: the whole message (the reduce-scatter's input, the all-gather's output). "
+          f"ours: {collective}; all_reduce: our all-reduce of the same message; fallback: "
+          f"{fallback}'s {collective}. Best of interleaved rounds, us per call.")
+    print(f"# {'size(B)':>8} {'count':>9} {'type':>5} {'ours':>9} {'all_red':>9} "
+          f"{'fallback':>9} {'ours/ar':>9} {'fb/ours':>9} {'#wrong':>6}  tactic", flush=True)
+
+
 def _format_fused_row(r: Dict[str, Any]) -> str:
     return (f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['fused_us']:>9.2f} "
             f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
@@ -277,6 +378,15 @@ def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
             return (f"no batch of 1, 2, 4, ... 1024 rows of {row} bytes lies in --min-bytes "
                     f"{args.min_bytes} .. --max-bytes {args.max_bytes}")
     elem = DTYPES[args.dtype].itemsize
+    collective = getattr(args, "collective", "all_reduce")
+    if collective != "all_reduce" and getattr(args, "fused", False):
+        return "--fused is the all-reduce's; it does not combine with --collective " + collective
+    world = getattr(args, "world", None) or 2
+    if collective != "all_reduce" and not any(
+            s % (16 * world) == 0
+            for s in sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem)):
+        return (f"no message size in --min-bytes {args.min_bytes} .. --max-bytes "
+                f"{args.max_bytes} splits into {world} chunks of whole 16-byte vectors")
     if not sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem):
         return (
             f"no message size in --min-bytes {args.min_bytes} .. --max-bytes {args.max_bytes}: "
@@ -322,7 +432,11 @@ def main(args: argparse.Namespace) -> int:
         "table": args.table,
         "graph": args.graph,
     }
-    if args.fused:
+    if args.collective != "all_reduce":
+        opts["collective"], opts["rounds"] = args.collective, 5
+        _print_collective_header(transport, world, args.dtype, args.collective)
+        result = run_ranks(world, opts, _collective_worker)
+    elif args.fused:
         opts["hidden"], opts["rounds"] = args.hidden, 5
         _print_fused_header(transport, world, args.dtype, args.hidden)
         result = run_ranks(world, opts, _fused_worker)

@@ -66,11 +66,13 @@ def buckets() -> List[Tuple[int, Optional[int], int]]:
 
 def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: int,
                  constants: Optional[Dict[str, float]] = None,
-                 executor: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+                 executor: Optional[Dict[str, Any]] = None,
+                 collective: str = "all_reduce") -> List[Dict[str, Any]]:
     """Every tactic the builders accept here (push only over P2P), fastest first by the model;
-    a tie goes to the unstaged tactic (fewer fences), then to the plan layer's order."""
+    a tie goes to the unstaged tactic (fewer fences), then to the plan layer's order. `nbytes`
+    is the whole message (a reduce-scatter's input, an all-gather's output)."""
     rows = []
-    for t in _C.buildable_tactics(world, list(island_of)):
+    for t in _C.buildable_tactics(world, list(island_of), collective):
         # Pull over P2P is the fabric's call: some switches collapse on peer writes, root
         # complexes on peer reads (docs/tuning.md), and the model knows neither; only a tune
         # may pick it there. On host memory both directions cross the same links.
@@ -79,7 +81,7 @@ def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: i
         if t["protocol"] in FLAG_IN_DATA and nbytes > MAX_LL_BYTES:
             continue
         s = _C.build_schedule(t["algorithm"], world, list(island_of), t["direction"],
-                              t["staged"], t["protocol"])
+                              t["staged"], t["protocol"], collective)
         c = s.cost(nbytes, transport=transport, constants=constants or {},
                    executor=executor or {})
         rows.append({**t, "modelled_us": c["modelled_us"],
