@@ -51,6 +51,13 @@ groups are destroyed. This module fills that slot and patches nothing else:
   reduces over (SGLang's ``resolve_fusion_group``) holds our slot and the kernels take the
   tensors (``should_use_fused``), else to SGLang's own function. Fresh ``(norm_out,
   residual_out)``, ``residual`` untouched, as FlashInfer's kernel returns them.
+* **Reduce-scatter and all-gather**: two AROUND hooks on ``GroupCoordinator
+  ._reduce_scatter_tensor`` and ``._all_gather_into_tensor`` (SGLang's private methods beneath
+  its ``reg_reduce_scatter_tensor`` / ``reg_all_gather_into_tensor`` custom ops; why those, at
+  ``_reduce_scatter_hook``) run a tp call on ``PcieAllReduce.reduce_scatter`` / ``all_gather``
+  when the communicator is built and ``should_use_collective`` admits the input; every other
+  call, and every other group's, runs SGLang's method. Declines are counted per reason in
+  ``stats()["collectives"]``.
 * **Shutdown**: ``destroy()`` logs ``common.summary_line`` once (its declines include the
   slot's: reductions SGLang offered that stayed on its own path) and destroys the communicator
   while the process groups still live (SGLang calls it first in ``GroupCoordinator.destroy``).
@@ -72,6 +79,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pcie_allreduce")
 
 HOOK_TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
+# Where every dim-0 reduce-scatter and all-gather of a group meets (why: _reduce_scatter_hook).
+REDUCE_SCATTER_TARGET = (
+    "sglang.srt.distributed.parallel_state.GroupCoordinator._reduce_scatter_tensor")
+ALL_GATHER_TARGET = (
+    "sglang.srt.distributed.parallel_state.GroupCoordinator._all_gather_into_tensor")
 # SGLang's fused all-reduce + residual add + RMSNorm call site, and the gate that offers it.
 FUSED_TARGET = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
 FUSION_GATE_TARGET = (
@@ -101,6 +113,8 @@ def register() -> None:
     HookRegistry.register(HOOK_TARGET, _after_group_init, HookType.AFTER)
     HookRegistry.register(FUSED_TARGET, _fused_call, HookType.AROUND)
     HookRegistry.register(FUSION_GATE_TARGET, _fusion_gate, HookType.AROUND)
+    HookRegistry.register(REDUCE_SCATTER_TARGET, _reduce_scatter_hook, HookType.AROUND)
+    HookRegistry.register(ALL_GATHER_TARGET, _all_gather_hook, HookType.AROUND)
     _registered = True
 
 
@@ -156,6 +170,59 @@ def _take_over_from_upstream(coordinator: Any, theirs: Any) -> None:
             "pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 and %s=1 both ask for the %s PCIe-IPC "
             "all-reduce slot; pcie_allreduce owns it (the explicit PCIE_ALLREDUCE_ENABLE=1 "
             "wins); %s", UPSTREAM_FLAG, coordinator.unique_name, fate)
+
+
+# ------------------------------------------------------------------ reduce-scatter, all-gather
+# SGLang has no slot for a reduce-scatter or all-gather backend. Its public
+# ``reduce_scatter_tensor(output, input)`` and ``all_gather_into_tensor(output, input)`` (in
+# which ``reduce_scatter_along_dim``, ``all_gather(x, dim)`` of GPU tensors, the layer
+# boundary's tp / attention-tp scatters and gathers, and DP attention's padded gather and
+# ``dp_reduce_scatter_tensor`` all end) first take SGLang's own special routes (deterministic
+# inference: an all-reduce and a slice; ROCm's AITER), then call the custom ops
+# ``reg_reduce_scatter_tensor`` / ``reg_all_gather_into_tensor`` (opaque to Dynamo, CUDA-graph
+# safe), whose bodies call the private ``GroupCoordinator._reduce_scatter_tensor`` /
+# ``_all_gather_into_tensor``, where SGLang picks pynccl or torch.distributed.
+#
+# We hook those two private methods (AROUND, through SGLang's own HookRegistry) on purpose:
+# they are the one place beneath the custom ops where every such call of a group arrives, the
+# analogue of ``_all_reduce_out_place``, where SGLang consults ``pcie_ipc_comm``. Hooking the
+# public methods instead would put our Python in front of Dynamo (what the custom ops exist to
+# avoid) and would have to copy SGLang's deterministic and AITER routes. The hooks act only
+# for a coordinator whose ``pcie_ipc_comm`` is ours (the tp group) and only for a call the
+# slot admits; every other call runs SGLang's method as it is. ``test_sglang_collectives.py``
+# pins the names and the call path against SGLang 0.5.23, so a rename fails a test.
+def _output_input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
+    """(output, input) of a ``(output, input)`` call, positional or keyword, else None."""
+    names = ("output", "input")
+    if len(args) + len(kwargs) != 2 or any(k not in names for k in kwargs):
+        return None
+    values = dict(zip(names, args))
+    if any(k in values for k in kwargs):
+        return None
+    values.update(kwargs)
+    return values["output"], values["input"]
+
+
+def _reduce_scatter_hook(original: Callable[..., Any], coordinator: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+    """AROUND ``GroupCoordinator._reduce_scatter_tensor(output, input)``."""
+    slot = getattr(coordinator, "pcie_ipc_comm", None)
+    if isinstance(slot, SglangPcieAllReduce):
+        tensors = _output_input(args, kwargs)
+        if tensors is not None and slot.reduce_scatter_into(*tensors):
+            return tensors[0]  # what SGLang's method returns
+    return original(coordinator, *args, **kwargs)
+
+
+def _all_gather_hook(original: Callable[..., Any], coordinator: Any, *args: Any,
+                     **kwargs: Any) -> Any:
+    """AROUND ``GroupCoordinator._all_gather_into_tensor(output, input)``."""
+    slot = getattr(coordinator, "pcie_ipc_comm", None)
+    if isinstance(slot, SglangPcieAllReduce):
+        tensors = _output_input(args, kwargs)
+        if tensors is not None and slot.all_gather_into(*tensors):
+            return None  # SGLang's method returns nothing
+    return original(coordinator, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- the fused call
@@ -349,6 +416,7 @@ class SglangPcieAllReduce:
         self.hidden: Optional[int] = None
         self._fused_routed = 0
         self._fused_declines: Dict[str, int] = {}
+        self._collective_declines = common.CollectiveDeclines()
         self._fusion_off: Optional[Tuple[Optional[str]]] = None  # (reason,) once decided
 
     # ------------------------------------------------------------------ SGLang's API
@@ -460,6 +528,64 @@ class SglangPcieAllReduce:
         self._fused_routed += 1
         return self._ar.all_reduce_add_rms_norm(x, residual, weight, eps)
 
+    # ------------------------------------------------------------------ reduce-scatter, all-gather
+    def reduce_scatter_into(self, output: torch.Tensor, inp: torch.Tensor) -> bool:
+        """``GroupCoordinator._reduce_scatter_tensor(output, inp)`` on our kernels when they
+        take it (True: ``output`` holds this rank's rows of the sum); False leaves the call to
+        SGLang (counted under ``stats()["collectives"]["reduce_scatter"]["declines"]``)."""
+        world = self.world_size
+        if (inp.dim() == 0 or inp.shape[0] % world or output.numel() * world != inp.numel()
+                or output.dtype != inp.dtype or output.device != inp.device):
+            self._collective_declines.add("reduce_scatter", common.SHAPE)
+            return False
+        if not self._admits(inp, "reduce_scatter"):
+            return False
+        rows = (inp.shape[0] // world,) + tuple(inp.shape[1:])
+        if output.is_contiguous() and not common.overlaps(output, inp):
+            self._ar.reduce_scatter(inp, out=output.view(rows))
+        else:  # SGLang's in-place form (output a slice of inp), or a strided output
+            output.copy_(self._ar.reduce_scatter(inp).view(output.shape))
+        return True
+
+    def all_gather_into(self, output: torch.Tensor, inp: torch.Tensor) -> bool:
+        """``GroupCoordinator._all_gather_into_tensor(output, inp)`` on our kernels when they
+        take it (True: ``output`` holds every rank's ``inp``, rank-major); False leaves the
+        call to SGLang (counted under ``stats()["collectives"]["all_gather"]["declines"]``)."""
+        world = self.world_size
+        if (inp.dim() == 0 or output.numel() != world * inp.numel()
+                or output.dtype != inp.dtype or output.device != inp.device):
+            self._collective_declines.add("all_gather", common.SHAPE)
+            return False
+        if not self._admits(inp, "all_gather"):
+            return False
+        rows = (world * inp.shape[0],) + tuple(inp.shape[1:])
+        if output.is_contiguous() and not common.overlaps(output, inp):
+            self._ar.all_gather(inp, out=output.view(rows))
+        else:
+            output.copy_(self._ar.all_gather(inp).view(output.shape))
+        return True
+
+    def _admits(self, inp: torch.Tensor, collective: str) -> bool:
+        """Whether the kernels run ``collective`` on ``inp``; a decline is counted. Before the
+        communicator is built (no prepare() yet, or a capture came first) the call stays on
+        SGLang's path: only an all-reduce builds it (every rank offers the same all-reduces in
+        the same order; prepare() comes before any graph capture)."""
+        if self._destroyed or self._failed is not None:
+            self._collective_declines.add(collective, "disabled")
+            return False
+        if self._ar is None:
+            self._collective_declines.add(collective, common.NOT_BUILT)
+            return False
+        self._bracket_capture(_stream_capturing(inp.device))
+        reason = self._ar.collective_decline_reason(inp, collective)
+        if reason is not None:
+            if self._collective_declines.add(collective, reason) == 0 and self.rank == 0:
+                logger.info("pcie_allreduce: %s declines %s calls (%s; first: %s %s); they stay "
+                            "on SGLang's path", self.group_name, collective, reason,
+                            tuple(inp.shape), inp.dtype)
+            return False
+        return True
+
     # ------------------------------------------------------------------ ours
     def stats(self) -> Dict[str, Any]:
         """``PcieAllReduce.stats()`` with the slot's own declines added (reductions SGLang
@@ -481,6 +607,7 @@ class SglangPcieAllReduce:
             fused_declines[reason] = fused_declines.get(reason, 0) + count
         s["fused_declines"] = fused_declines
         s["fused_routed"] = self._fused_routed
+        self._collective_declines.merge_into(s)
         s["max_numel"] = self.max_numel
         s["sizing"] = self.sizing.how if self.sizing else None
         s["deterministic"] = self.deterministic

@@ -9,6 +9,12 @@ exactly ``tp`` (world size > 1) gets a :class:`VllmPcieAllReduce` in
 its process groups (``destroy``). vLLM's dispatch itself is not touched: a tensor the slot
 declines goes on down vLLM's chain (custom all-reduce, pynccl, torch.distributed).
 
+Reduce-scatter and all-gather: vLLM has no slot for them, so the same communicator instance
+(only the tp group's) gets routed copies of its public ``reduce_scatter``, ``all_gather``,
+``reduce_scatterv``, ``reduce_scatterv_into_output`` and ``all_gatherv``
+(:func:`route_collectives`): a call the slot admits (``PcieAllReduce.should_use_collective``)
+runs on our kernels, every other call runs vLLM's own method from the class, untouched.
+
 The fused end of a layer (all-reduce + residual add + RMSNorm): vLLM fuses it in a torch.compile
 post-grad pass (``AllReduceFusionPass``, FlashInfer's kernel, NVLink-class hosts only). Where
 our slot is filled, ``PcieFusedAddRmsNormPass`` (``fusion_pass_class()``) goes into the slot
@@ -189,6 +195,7 @@ class VllmPcieAllReduce:
         self._engine_declines: Dict[str, int] = collections.Counter()
         self._fused_declines: Dict[str, int] = collections.Counter()
         self._fused_routed = 0
+        self._collective_declines = common.CollectiveDeclines()
         self._destroyed = False
         known = not self.sizing.guessed and settings.hidden and settings.max_rows
         self.warm_up = common.warm_up(
@@ -241,6 +248,94 @@ class VllmPcieAllReduce:
         self._fused_routed += 1
         return self.ar.all_reduce_add_rms_norm(x, residual, weight, eps)
 
+    # ------------------------------------------------------------------ reduce-scatter, all-gather
+    # What the tp communicator's routed methods (route_collectives) ask. Each returns vLLM's
+    # result, or None when the kernels do not take the call: vLLM's own method then runs it.
+    def collective_reason(self, x: Any, collective: str) -> Optional[str]:
+        """Why the kernels do not run ``collective`` on ``x`` (its input), or None. A decline
+        is counted in ``stats()["collectives"][collective]["declines"]``."""
+        if (self.disabled or self._destroyed) and self.ar.enabled:
+            reason: Optional[str] = "disabled by vLLM"
+        else:
+            reason = self.ar.collective_decline_reason(x, collective)
+        if reason is not None:
+            self._collective_declines.add(collective, reason)
+        return reason
+
+    def try_reduce_scatter(self, input_: Any, dim: int = -1) -> Any:
+        """``CudaCommunicator.reduce_scatter(input_, dim)``: vLLM's layout (it moves dim 0 to
+        ``dim``, scatters rows, moves them back), the sum from our kernels."""
+        if input_.dim() == 0:
+            return None
+        if dim < 0:
+            dim += input_.dim()
+        x = input_.movedim(0, dim)  # exactly vLLM's (and its base class's) transform
+        if x.shape[0] % self.world_size:
+            self._collective_declines.add("reduce_scatter", common.SHAPE)
+            return None  # vLLM's own path asserts on it
+        if self.collective_reason(x, "reduce_scatter") is not None:
+            return None
+        return self.ar.reduce_scatter(x).movedim(0, dim).contiguous()
+
+    def try_all_gather(self, input_: Any, dim: int = -1) -> Any:
+        """``CudaCommunicator.all_gather(input_, dim)``: concatenated along ``dim``."""
+        if input_.dim() == 0:
+            return None
+        if dim < 0:
+            dim += input_.dim()
+        if self.collective_reason(input_, "all_gather") is not None:
+            return None
+        return common.gathered_along(self.ar.all_gather(input_), self.world_size,
+                                     input_.size(), dim)
+
+    def try_all_gatherv(self, input_: Any, dim: int = 0, sizes: Optional[Sequence[int]] = None
+                        ) -> Any:
+        """``CudaCommunicator.all_gatherv``: equal sizes (or none) only, one tensor or a list
+        (all of it ours, or all of it vLLM's)."""
+        if dim != 0:
+            return None  # vLLM raises NotImplementedError
+        if sizes is not None and any(s != sizes[0] for s in sizes):
+            self._collective_declines.add("all_gather", common.VARIABLE_SIZES)
+            return None
+        single = not isinstance(input_, (list, tuple))
+        tensors = [input_] if single else list(input_)
+        for t in tensors:
+            if t.dim() == 0:
+                self._collective_declines.add("all_gather", common.SHAPE)
+                return None
+            if self.collective_reason(t, "all_gather") is not None:
+                return None
+        outs = [self.ar.all_gather(t) for t in tensors]
+        return outs[0] if single else outs
+
+    def try_reduce_scatterv(self, input_: Any, dim: int = -1,
+                            sizes: Optional[Sequence[int]] = None, output: Any = None) -> Any:
+        """``CudaCommunicator.reduce_scatterv`` and ``reduce_scatterv_into_output``
+        (``output`` given): equal sizes (or none) only."""
+        if sizes is not None and any(s != sizes[0] for s in sizes):
+            self._collective_declines.add("reduce_scatter", common.VARIABLE_SIZES)
+            return None
+        if output is None:
+            return self.try_reduce_scatter(input_, dim)
+        if input_.dim() == 0:
+            return None
+        if dim < 0:
+            dim += input_.dim()
+        world = self.world_size
+        if dim != 0 or input_.shape[0] % world:
+            return None  # vLLM's own path asserts on these
+        expected = (input_.shape[0] // world,) + tuple(input_.shape[1:])
+        if (tuple(output.shape) != expected or output.dtype != input_.dtype
+                or output.device != input_.device or not output.is_contiguous()):
+            return None  # likewise
+        if self.collective_reason(input_, "reduce_scatter") is not None:
+            return None
+        if common.overlaps(output, input_):
+            output.copy_(self.ar.reduce_scatter(input_))
+        else:
+            self.ar.reduce_scatter(input_, out=output)
+        return output
+
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """Entered by vLLM's ``GroupCoordinator.graph_capture()`` inside its capture stream."""
@@ -261,7 +356,8 @@ class VllmPcieAllReduce:
     # ------------------------------------------------------------------ ours
     def stats(self) -> Dict[str, Any]:
         """PcieAllReduce.stats() with the declines that vLLM's own chain then ran added to
-        ``declines`` (also totalled in ``engine_fallback``), plus the sizing and warm-up."""
+        ``declines`` (also totalled in ``engine_fallback``) and, for reduce-scatters and
+        all-gathers, to ``collectives[c]["declines"]``, plus the sizing and warm-up."""
         s = self.ar.stats()
         declines = collections.Counter(s["declines"])
         declines.update(self._engine_declines)
@@ -271,6 +367,7 @@ class VllmPcieAllReduce:
         fused_declines.update(self._fused_declines)
         s["fused_declines"] = dict(fused_declines)
         s["fused_routed"] = self._fused_routed
+        self._collective_declines.merge_into(s)
         s["sizing"] = self.sizing.how
         s["warm_up"] = dict(self.warm_up)
         s["deterministic"] = self.deterministic
@@ -358,16 +455,19 @@ def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
     if theirs is not None:
         theirs.destroy()  # FlashInfer's allocates its workspace in setup(), never called now
     setattr(communicator, SLOT, adapter)
+    routed = route_collectives(communicator)
     if adapter.ar.enabled:
         install_fusion_pass(get_current_vllm_config_or_none(), communicator.unique_name,
                             log=first)
     if first:
         state = ("enabled" if adapter.ar.enabled
                  else f"disabled ({adapter.ar.disabled_reason})")
-        logger.info("pcie_allreduce: vLLM group tp (world %d, %s): %s%s; workspace: %s (%s)",
+        logger.info("pcie_allreduce: vLLM group tp (world %d, %s): %s%s; workspace: %s (%s); "
+                    "the slot also serves its %s",
                     adapter.world_size, adapter.device, state,
                     "; deterministic (VLLM_BATCH_INVARIANT=1): one oneshot tactic for every size"
-                    if deterministic else "", adapter.sizing.how, settings.batch_source)
+                    if deterministic else "", adapter.sizing.how, settings.batch_source,
+                    ", ".join(routed) or "nothing")
         if upstream:
             if theirs is not None:
                 replaced = f"vLLM's {type(theirs).__name__} was built and is destroyed"
@@ -379,6 +479,86 @@ def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
                 "owns vLLM's PCIe all-reduce slot of group tp because PCIE_ALLREDUCE_ENABLE=1 "
                 "is the explicit choice (%s)", UPSTREAM_FLAG, replaced)
     return adapter
+
+
+# ---------------------------------------------------------------------- reduce-scatter, all-gather
+# vLLM 0.33's CudaCommunicator keeps a slot for a PCIe all-reduce backend (fi_pcie_ipc_ar_comm)
+# but none for reduce-scatter or all-gather: those run pynccl, NCCL symmetric memory or AITER
+# inline in its public methods. So the tp group's communicator *instance* gets its own copy of
+# these public methods, the ones vLLM's GroupCoordinator (and so its vllm.reduce_scatter /
+# vllm.all_gather custom ops) calls: each asks the slot, and calls vLLM's own method, taken
+# from the class, for every call the slot declines. Nothing private is touched, the class stays
+# as vLLM ships it, and no other group's communicator changes. When vLLM's destroy() empties
+# the slot, every call goes to vLLM's methods again.
+COLLECTIVE_ROUTES = ("reduce_scatter", "all_gather", "reduce_scatterv",
+                     "reduce_scatterv_into_output", "all_gatherv")
+_ROUTED = "_pcie_allreduce_routed"  # set on a communicator instance once routed
+
+
+def _our_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
+    slot = getattr(communicator, SLOT, None) if communicator is not None else None
+    return slot if isinstance(slot, VllmPcieAllReduce) else None
+
+
+def route_collectives(communicator: Any) -> List[str]:
+    """Gives the tp communicator instance the routed versions of :data:`COLLECTIVE_ROUTES`
+    (those its class has); returns their names. Idempotent."""
+    import weakref
+
+    cls = type(communicator)
+    present = [n for n in COLLECTIVE_ROUTES if callable(getattr(cls, n, None))]
+    if _ROUTED in communicator.__dict__:
+        return list(communicator.__dict__[_ROUTED])
+    absent = sorted(set(COLLECTIVE_ROUTES) - set(present))
+    if absent and communicator.rank_in_group == 0:
+        logger.warning("pcie_allreduce: vLLM's %s has no %s (renamed upstream?); those stay "
+                       "on vLLM's path", cls.__name__, ", ".join(absent))
+    ref = weakref.ref(communicator)  # no cycle: the methods live on the instance
+
+    def reduce_scatter(input_: Any, dim: int = -1) -> Any:
+        comm = ref()
+        slot = _our_slot(comm)
+        out = slot.try_reduce_scatter(input_, dim) if slot is not None else None
+        return cls.reduce_scatter(comm, input_, dim) if out is None else out
+
+    def all_gather(input_: Any, dim: int = -1) -> Any:
+        comm = ref()
+        slot = _our_slot(comm)
+        out = slot.try_all_gather(input_, dim) if slot is not None else None
+        return cls.all_gather(comm, input_, dim) if out is None else out
+
+    def reduce_scatterv(input_: Any, dim: int = -1, sizes: Optional[List[int]] = None) -> Any:
+        comm = ref()
+        slot = _our_slot(comm)
+        out = slot.try_reduce_scatterv(input_, dim, sizes) if slot is not None else None
+        return cls.reduce_scatterv(comm, input_, dim, sizes) if out is None else out
+
+    def reduce_scatterv_into_output(input_: Any, output: Any, dim: int = -1,
+                                    sizes: Optional[List[int]] = None) -> Any:
+        comm = ref()
+        slot = _our_slot(comm)
+        out = (slot.try_reduce_scatterv(input_, dim, sizes, output=output)
+               if slot is not None else None)
+        return (cls.reduce_scatterv_into_output(comm, input_, output, dim, sizes)
+                if out is None else out)
+
+    def all_gatherv(input_: Any, dim: int = 0, sizes: Optional[List[int]] = None) -> Any:
+        comm = ref()
+        slot = _our_slot(comm)
+        out = slot.try_all_gatherv(input_, dim, sizes) if slot is not None else None
+        return cls.all_gatherv(comm, input_, dim, sizes) if out is None else out
+
+    routes = {"reduce_scatter": reduce_scatter, "all_gather": all_gather,
+              "reduce_scatterv": reduce_scatterv,
+              "reduce_scatterv_into_output": reduce_scatterv_into_output,
+              "all_gatherv": all_gatherv}
+    for name in present:
+        route = routes[name]
+        route.__doc__ = (f"vLLM's {cls.__name__}.{name}, routed: pcie_allreduce's kernels "
+                         "where the tp slot admits the call, vLLM's own method otherwise.")
+        setattr(communicator, name, route)
+    setattr(communicator, _ROUTED, tuple(present))
+    return present
 
 
 def _route_logs_through_vllm() -> None:

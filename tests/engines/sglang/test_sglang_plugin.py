@@ -60,7 +60,9 @@ def _flag_off(rank: int, world: int) -> Dict[str, Any]:
                      "hooks": len(HookRegistry._hooks.get(TARGET, []))}
     from sglang.srt.distributed.parallel_state import GroupCoordinator
 
-    after_plugins["wrapped"] = hasattr(GroupCoordinator.__init__, "__wrapped__")
+    after_plugins["wrapped"] = [
+        hasattr(getattr(GroupCoordinator, m), "__wrapped__")
+        for m in ("__init__", "_reduce_scatter_tensor", "_all_gather_into_tensor")]
     tp = make_group(rank, "tp")
     slot = tp.pcie_ipc_comm
     after_plugins["slot"] = None if slot is None else type(slot).__name__
@@ -81,7 +83,8 @@ def test_flag_off_installs_nothing_and_imports_nothing_beyond_the_entry_point(fl
         assert str(value["our_modules"]) == baseline
         assert str(value["our_modules_after_group"]) == baseline
         # Nothing registered, so SGLang never resolved (imported) the hook target.
-        assert not value["parallel_state"] and value["hooks"] == 0 and not value["wrapped"]
+        assert not value["parallel_state"] and value["hooks"] == 0
+        assert value["wrapped"] == [False, False, False]
         assert value["slot"] is None
         assert not r["logs"]
 

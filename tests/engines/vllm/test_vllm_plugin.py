@@ -34,6 +34,9 @@ def _flag_off(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any
                           plugins=False)
     out["communicator"] = type(tp.device_communicator).__name__
     out["slot"] = slot_of(tp)
+    out["routed"] = sorted(n for n in ("reduce_scatter", "all_gather", "reduce_scatterv",
+                                       "reduce_scatterv_into_output", "all_gatherv")
+                           if n in tp.device_communicator.__dict__)
     t = torch.full((2, TINY_HIDDEN), float(rank + 1), dtype=torch.bfloat16)
     out["sum_ok"] = bool((tp.all_reduce(t).float() == world * (world + 1) / 2).all())
     teardown_vllm_groups()
@@ -49,6 +52,7 @@ def test_without_the_enable_flag_the_hook_imports_and_installs_nothing(tmp_path,
         assert r["imported_by_register"] == []
         assert not r["wrapped"]
         assert r["communicator"] == "CudaCommunicator" and r["slot"] is None
+        assert r["routed"] == []  # its reduce-scatter and all-gather are vLLM's methods
         assert r["sum_ok"]
 
 
