@@ -28,49 +28,115 @@ host_shm,2,*,262144,*,twoshot,pull,0,1,32
 host_shm,*,*,0,65536,oneshot,push,0,1,32
 host_shm,*,*,65536,1048576,twoshot,push,0,1,32
 host_shm,*,*,1048576,*,twoshot,pull,0,1,32
+# The reduce-scatter and all-gather (issue 25): the all-reduce's rows in two-shot form, measured
+# against the alternatives at world 2 (flag push and pull within a few %, LL and lamport 2-5x
+# slower, docs/benchmarks.md).
+host_shm,2,*,0,262144,reduce_scatter:twoshot,push,0,1,32
+host_shm,2,*,262144,*,reduce_scatter:twoshot,pull,0,1,32
+host_shm,*,*,0,1048576,reduce_scatter:twoshot,push,0,1,32
+host_shm,*,*,1048576,*,reduce_scatter:twoshot,pull,0,1,32
+host_shm,2,*,0,262144,all_gather:twoshot,push,0,1,32
+host_shm,2,*,262144,*,all_gather:twoshot,pull,0,1,32
+host_shm,*,*,0,1048576,all_gather:twoshot,push,0,1,32
+host_shm,*,*,1048576,*,all_gather:twoshot,pull,0,1,32
 # NVLink-connected GPUs belong to the serving engine's own custom all-reduce.
 nvlink,*,*,0,*,fallback,,,,
+nvlink,*,*,0,*,reduce_scatter:fallback,,,,
+nvlink,*,*,0,*,all_gather:fallback,,,,
 # GPU rows: ESTIMATES from the cost model (csrc/plan/cost_model.h), not yet measured on a real
 # PCIe host; regenerate them with `python -m pcie_allreduce.tuning.model` after a refit (a test
 # holds them equal to the model). Per bucket, the tactic with the lowest modelled time of one
 # call; push only over P2P (pull is the fabric's call: only a tune may pick it). Decode sizes
 # take lamport (issue 23): LL's steps with the payload moved once.
+# Each family's reduce-scatter and all-gather rows follow its all-reduce rows (issue 25), each
+# collective judged on its own modelled cost: flat two-shot halves at decode sizes, the island
+# forms where crossing the socket link once per chunk pays.
 # GPUs without peer-to-peer (the cuda_host transport: every workspace in shared pinned host
 # memory): every poll is a PCIe read of host DRAM and every slot byte crosses the GPU's link.
 cuda_host,2,*,0,131072,oneshot,push,0,8,256,lamport
 cuda_host,2,*,131072,*,oneshot,push,0,32,512
+cuda_host,2,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
+cuda_host,2,*,262144,*,reduce_scatter:twoshot,push,0,32,512
+cuda_host,2,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
+cuda_host,2,*,262144,*,all_gather:twoshot,push,0,32,512
 cuda_host,4,*,0,16384,oneshot,push,0,8,256,lamport
 cuda_host,4,*,16384,131072,oneshot,push,0,16,256
 cuda_host,4,*,131072,262144,oneshot,push,0,32,512
 cuda_host,4,*,262144,*,twoshot,push,0,32,512
+cuda_host,4,*,0,131072,reduce_scatter:twoshot,push,0,8,256,lamport
+cuda_host,4,*,131072,*,reduce_scatter:twoshot,push,0,32,512
+cuda_host,4,*,0,131072,all_gather:twoshot,push,0,8,256,lamport
+cuda_host,4,*,131072,*,all_gather:twoshot,push,0,32,512
 cuda_host,*,*,0,8192,oneshot,push,0,8,256,lamport
 cuda_host,*,*,8192,131072,oneshot,push,0,16,256
 cuda_host,*,*,131072,262144,twoshot,push,0,8,256,lamport
 cuda_host,*,*,262144,*,twoshot,push,0,32,512
+cuda_host,*,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
+cuda_host,*,*,262144,*,reduce_scatter:twoshot,push,0,32,512
+cuda_host,*,*,0,131072,all_gather:twoshot,push,0,8,256,lamport
+cuda_host,*,*,131072,*,all_gather:twoshot,push,0,32,512
 # Two sockets: reduce inside each island and cross the socket link once.
 islands-2x4,8,*,0,16384,island_oneshot,push,0,8,256,lamport
 islands-2x4,8,*,16384,262144,island_twoshot,push,0,8,256,lamport
 islands-2x4,8,*,262144,524288,island_twoshot,push,0,32,512
 islands-2x4,8,*,524288,*,island_twoshot,push,1,32,512
+islands-2x4,8,*,0,32768,reduce_scatter:twoshot,push,0,8,256,lamport
+islands-2x4,8,*,32768,262144,reduce_scatter:island_twoshot,push,0,8,256,lamport
+islands-2x4,8,*,262144,1048576,reduce_scatter:island_twoshot,push,0,32,512
+islands-2x4,8,*,1048576,*,reduce_scatter:island_twoshot,push,1,32,512
+islands-2x4,8,*,0,32768,all_gather:twoshot,push,0,8,256,lamport
+islands-2x4,8,*,32768,262144,all_gather:island_twoshot,push,0,8,256,lamport
+islands-2x4,8,*,262144,1048576,all_gather:island_twoshot,push,0,32,512
+islands-2x4,8,*,1048576,*,all_gather:island_twoshot,push,1,32,512
 islands-2x3,6,*,0,32768,island_oneshot,push,0,8,256,lamport
 islands-2x3,6,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x3,6,*,262144,*,island_twoshot,push,1,32,512
+islands-2x3,6,*,0,65536,reduce_scatter:twoshot,push,0,8,256,lamport
+islands-2x3,6,*,65536,262144,reduce_scatter:island_twoshot,push,0,8,256,lamport
+islands-2x3,6,*,262144,524288,reduce_scatter:island_twoshot,push,0,32,512
+islands-2x3,6,*,524288,*,reduce_scatter:island_twoshot,push,1,32,512
+islands-2x3,6,*,0,65536,all_gather:twoshot,push,0,8,256,lamport
+islands-2x3,6,*,65536,262144,all_gather:island_twoshot,push,0,8,256,lamport
+islands-2x3,6,*,262144,524288,all_gather:island_twoshot,push,0,32,512
+islands-2x3,6,*,524288,*,all_gather:island_twoshot,push,1,32,512
 islands-2x2,4,*,0,4096,oneshot,push,0,8,256,lamport
 islands-2x2,4,*,4096,32768,island_oneshot,push,0,8,256,lamport
 islands-2x2,4,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x2,4,*,262144,*,island_twoshot,push,0,32,512
+islands-2x2,4,*,0,65536,reduce_scatter:twoshot,push,0,8,256,lamport
+islands-2x2,4,*,65536,262144,reduce_scatter:island_twoshot,push,0,8,256,lamport
+islands-2x2,4,*,262144,*,reduce_scatter:island_twoshot,push,0,32,512
+islands-2x2,4,*,0,65536,all_gather:twoshot,push,0,8,256,lamport
+islands-2x2,4,*,65536,262144,all_gather:island_twoshot,push,0,8,256,lamport
+islands-2x2,4,*,262144,*,all_gather:island_twoshot,push,0,32,512
 # One switch or root complex.
 *,2,*,0,262144,oneshot,push,0,8,256,lamport
 *,2,*,262144,*,oneshot,push,0,32,512
+*,2,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
+*,2,*,262144,*,reduce_scatter:twoshot,push,0,32,512
+*,2,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
+*,2,*,262144,*,all_gather:twoshot,push,0,32,512
 *,4,*,0,32768,oneshot,push,0,8,256,lamport
 *,4,*,32768,262144,twoshot,push,0,8,256,lamport
 *,4,*,262144,524288,twoshot,push,0,32,512
 *,4,*,524288,*,twoshot,push,1,32,512
+*,4,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
+*,4,*,262144,524288,reduce_scatter:twoshot,push,0,32,512
+*,4,*,524288,*,reduce_scatter:twoshot,push,1,32,512
+*,4,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
+*,4,*,262144,524288,all_gather:twoshot,push,0,32,512
+*,4,*,524288,*,all_gather:twoshot,push,1,32,512
 *,*,*,0,16384,oneshot,push,0,8,256,lamport
 *,*,*,16384,262144,twoshot,push,0,8,256,lamport
 *,*,*,262144,1048576,twoshot,push,0,32,512
 *,*,*,1048576,*,twoshot,push,1,32,512
 *,*,*,0,*,fallback,,,,
+*,*,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
+*,*,*,262144,1048576,reduce_scatter:twoshot,push,0,32,512
+*,*,*,1048576,*,reduce_scatter:twoshot,push,1,32,512
+*,*,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
+*,*,*,262144,1048576,all_gather:twoshot,push,0,32,512
+*,*,*,1048576,*,all_gather:twoshot,push,1,32,512
 )csv";
 
 // Keys that name a transport, by the names tables and callers used before the transports had

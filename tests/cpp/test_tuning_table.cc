@@ -330,7 +330,8 @@ TEST(TuningTable, EmbeddedSeedParsesAndSendsNvlinkToTheFallback) {
       for (int r = 0; r < row.world; ++r) island_of[r] = r < row.world / 2 ? 0 : 1;
       return island_of;
     }();
-    EXPECT_FALSE(why_unsupported(row.tactic, row.world, halves).has_value()) << "line " << row.line;
+    EXPECT_FALSE(why_unsupported(row.tactic, row.world, halves, row.collective).has_value())
+        << "line " << row.line;
   }
   EXPECT_EQ(pick(t, "islands-2x4", 8, DType::kBF16, 384 * 1024).tactic.algorithm,
             Algorithm::kIslandTwoshot);
@@ -430,6 +431,35 @@ TEST(TuningTableCollectives, RowsDecideOnlyTheCollectiveTheyName) {
   EXPECT_NE(t.canonical_text().find(old.canonical_text()), std::string::npos);
   EXPECT_NE(t.hash(), old.hash());
   EXPECT_EQ(TuningTable::parse("# a comment\n" + all_reduce_rows).hash(), old.hash());
+}
+
+// The seed decides every collective everywhere it decides the all-reduce: NVLink stays on the
+// engine's own, the host takes the flag protocol (LL and lamport lose there), every topology
+// and world the GPU rows name has rows of both collectives.
+TEST(TuningTableCollectives, TheSeedDecidesBothCollectivesWhereItDecidesTheAllReduce) {
+  const TuningTable t = TuningTable::embedded();
+  for (Collective c : {Collective::kReduceScatter, Collective::kAllGather}) {
+    const TableChoice nvlink = t.choose("nvlink", 8, DType::kBF16, 4096, nullptr, c);
+    EXPECT_TRUE(nvlink.fallback);
+    EXPECT_NE(nvlink.line, 0);
+    for (int world : {2, 3, 4}) {
+      for (int64_t bytes : {1024, 65536, 1 << 20, 1 << 24}) {
+        const TableChoice host = t.choose("host_shm", world, DType::kBF16, bytes, nullptr, c);
+        EXPECT_NE(host.line, 0) << world << " " << bytes;
+        EXPECT_EQ(host.tactic.algorithm, Algorithm::kTwoshot);
+        EXPECT_EQ(host.tactic.protocol, Protocol::kFlag);
+      }
+    }
+    for (const char* key : {"cuda_host", "islands-2x4", "islands-2x3", "islands-2x2", "flat"}) {
+      for (int world : {2, 4, 6, 8}) {
+        const TableChoice gpu = t.choose(key, world, DType::kBF16, 12288, nullptr, c);
+        EXPECT_NE(gpu.line, 0) << key << " " << world;
+        EXPECT_FALSE(gpu.fallback) << key << " " << world;
+        EXPECT_TRUE(gpu.tactic.algorithm == Algorithm::kTwoshot ||
+                    gpu.tactic.algorithm == Algorithm::kIslandTwoshot);
+      }
+    }
+  }
 }
 
 TEST(TuningTableCollectives, ANameBeforeTheColonMustBeACollective) {

@@ -24,6 +24,9 @@ LAST_EDGE = 4 << 20
 MAX_LL_BYTES = 256 * 1024
 
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
 def gpu_families() -> List[Tuple[str, str, List[int], str]]:
     """The seed's GPU rows, in table order: (topology key, world column, the island map they are
     judged on, transport). Worlds 2 and 4 have their own rows; "*" is judged at world 8, the
@@ -90,24 +93,27 @@ def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: i
     return rows
 
 
-def _tactic_columns(best: Dict[str, Any], judged: int) -> str:
-    """Table columns 6.. of a derived row: the tactic and its launch shape."""
+def _tactic_columns(best: Dict[str, Any], judged: int, collective: str = "all_reduce") -> str:
+    """Table columns 6.. of a derived row: the tactic and its launch shape (a reduce-scatter's
+    or all-gather's algorithm named after its collective, ``reduce_scatter:twoshot``)."""
     blocks, threads = launch_shape(best["protocol"], judged)
-    text = (f"{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},"
+    kind = "" if collective == "all_reduce" else f"{collective}:"
+    text = (f"{kind}{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},"
             f"{threads}")
     return text + ("" if best["protocol"] == "flag" else f",{best['protocol']}")
 
 
 def derive_rows(key: str, world: str, island_of: Sequence[int], transport: str,
                 constants: Optional[Dict[str, float]] = None,
-                executor: Optional[Dict[str, Any]] = None) -> List[str]:
+                executor: Optional[Dict[str, Any]] = None,
+                collective: str = "all_reduce") -> List[str]:
     """The table rows of one topology key: adjacent buckets with the same best tactic and launch
     shape merge into one row."""
     runs: List[List[Any]] = []  # [min_bytes, max_bytes or None, columns]
     for lo, hi, judged in buckets():
         best = rank_tactics(len(island_of), island_of, transport, judged, constants,
-                            executor)[0]
-        columns = _tactic_columns(best, judged)
+                            executor, collective)[0]
+        columns = _tactic_columns(best, judged, collective)
         if runs and runs[-1][2] == columns:
             runs[-1][1] = hi
         else:
@@ -118,9 +124,13 @@ def derive_rows(key: str, world: str, island_of: Sequence[int], transport: str,
 
 def derive_seed_rows(constants: Optional[Dict[str, float]] = None,
                      executor: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Every GPU family's rows: the all-reduce's, then the reduce-scatter's and all-gather's
+    (each collective judged by its own modelled cost, not derived from the all-reduce's)."""
     rows: List[str] = []
     for key, world, island_of, transport in gpu_families():
-        rows.extend(derive_rows(key, world, island_of, transport, constants, executor))
+        for collective in COLLECTIVES:
+            rows.extend(derive_rows(key, world, island_of, transport, constants, executor,
+                                    collective))
     return rows
 
 
