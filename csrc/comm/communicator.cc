@@ -263,21 +263,34 @@ Communicator::Decision& Communicator::decide(plan::DType dtype, int64_t bytes) {
   const uint64_t key = decision_key(dtype, bytes);
   auto it = decisions_.find(key);
   if (it != decisions_.end()) return it->second;
+  const plan::TableChoice choice = choose(dtype, bytes, plan::Collective::kAllReduce);
+  Decision d;
+  d.fallback = choice.fallback;
+  d.tactic = choice.tactic;
+  install(d, dtype, plan::Collective::kAllReduce);
+  return decisions_.emplace(key, d).first->second;
+}
+
+plan::TableChoice Communicator::choose(plan::DType dtype, int64_t bytes,
+                                       plan::Collective collective) {
   const plan::TableChoice choice = table_.choose(
       options_.topology_key, options_.world, dtype, bytes,
-      [this](const plan::TableRow& row, int64_t b) { return why_not_runnable(row, b); });
+      [this](const plan::TableRow& row, int64_t b) { return why_not_runnable(row, b); },
+      collective);
   for (const auto& [line, why] : choice.skipped) {
     log(1, table_.source() + " line " + std::to_string(line) + " skipped: " + why);
   }
-  Decision d;
-  d.fallback = choice.fallback;
-  if (!d.fallback) {
-    d.tactic = choice.tactic;
-    d.program = &program_for(d.tactic);
-    d.signature = plan::call_signature(dtype, d.tactic);
-    d.calls = &calls_[plan::tactic_label(d.tactic)];
-  }
-  return decisions_.emplace(key, d).first->second;
+  return choice;
+}
+
+void Communicator::install(Decision& d, plan::DType dtype, plan::Collective collective) {
+  if (d.fallback) return;
+  d.program = &program_for(d.tactic, false, collective);
+  d.signature = plan::call_signature(dtype, d.tactic, false, collective);
+  const std::string label = plan::tactic_label(d.tactic);
+  d.calls = collective == plan::Collective::kAllReduce
+                ? &calls_[label]
+                : &collective_calls_[std::string(plan::collective_name(collective))][label];
 }
 
 void Communicator::note_decline(Decline decline, const at::Tensor& t) {
@@ -329,6 +342,15 @@ void Communicator::run_fallback(const at::Tensor& inp, at::Tensor& out) {
 }
 
 namespace {
+// A written-to tensor whose elements share memory (an expand) would be written twice.
+void check_no_internal_overlap(const at::Tensor& out) {
+  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
+    throw std::invalid_argument(
+        "unsupported operation: more than one element of the written-to tensor refers to a "
+        "single memory location (an expanded or overlapping view); clone() it first");
+  }
+}
+
 // The autograd rules torch's own in-place and out= ops enforce: the op has no derivative, so
 // writing into a tensor that autograd tracks would silently break its gradient.
 void check_writable(const at::Tensor& out, bool in_place) {
@@ -381,11 +403,7 @@ void Communicator::check_call(const at::Tensor& inp, const at::Tensor& out) cons
     }
   }
   check_writable(out, out.is_same(inp));
-  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
-    throw std::invalid_argument(
-        "unsupported operation: more than one element of the written-to tensor refers to a "
-        "single memory location (an expanded or overlapping view); clone() it first");
-  }
+  check_no_internal_overlap(out);
 }
 
 // Raises on a second call that enters while one is running: the communicator's generations
@@ -458,13 +476,8 @@ void check_fused_args(const at::Tensor& x, const at::Tensor& residual, const at:
   }
   check_writable(out, out.is_same(x));
   check_writable(residual_out, residual_out.is_same(residual));
-  for (const at::Tensor* t : {&out, &residual_out}) {
-    if (at::has_internal_overlap(*t) == at::MemOverlap::Yes) {
-      throw std::invalid_argument(
-          "unsupported operation: more than one element of the written-to tensor refers to a "
-          "single memory location (an expanded or overlapping view); clone() it first");
-    }
-  }
+  check_no_internal_overlap(out);
+  check_no_internal_overlap(residual_out);
 }
 }  // namespace
 
@@ -588,7 +601,7 @@ void Communicator::all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor
   Decision fused = *decision;
   fused.program = decision->fused_program;
   fused.signature = decision->fused_signature;
-  run_kernels(fused, dtype, src, dst, &epilogue);
+  run_kernels(fused, dtype, src.data_ptr(), dst.data_ptr(), src.numel(), &epilogue);
   ++*decision->fused_calls;
   if (!dst.is_same(out)) out.copy_(dst);
   if (!res_dst.is_same(residual_out)) residual_out.copy_(res_dst);
@@ -627,16 +640,11 @@ void check_collective_args(plan::Collective collective, const at::Tensor& inp,
     throw std::invalid_argument(name + "'s out overlaps its input; pass a disjoint tensor");
   }
   check_writable(out, false);
-  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
-    throw std::invalid_argument(
-        "unsupported operation: more than one element of the written-to tensor refers to a "
-        "single memory location (an expanded or overlapping view); clone() it first");
-  }
+  check_no_internal_overlap(out);
 }
 }  // namespace
 
-Decline Communicator::collective_admission(plan::Collective collective, const at::Tensor& inp,
-                                           int64_t message) const {
+Decline Communicator::collective_admission(const at::Tensor& inp, int64_t message) const {
   const Decline d = supports(inp);
   if (d != Decline::kNone && d != Decline::kTooLarge && d != Decline::kNot16ByteMultiple) {
     return d;
@@ -649,7 +657,6 @@ Decline Communicator::collective_admission(plan::Collective collective, const at
   }
   if (message > options_.max_numel) return Decline::kTooLarge;
   if (!connected_) return Decline::kDisabled;
-  (void)collective;
   return Decline::kNone;
 }
 
@@ -666,13 +673,7 @@ Communicator::Decision& Communicator::decide_collective(plan::Collective collect
   const auto key = std::make_tuple(static_cast<int>(collective), static_cast<int>(dtype), bytes);
   auto it = collective_decisions_.find(key);
   if (it != collective_decisions_.end()) return it->second;
-  const plan::TableChoice choice = table_.choose(
-      options_.topology_key, options_.world, dtype, bytes,
-      [this](const plan::TableRow& row, int64_t b) { return why_not_runnable(row, b); },
-      collective);
-  for (const auto& [line, why] : choice.skipped) {
-    log(1, table_.source() + " line " + std::to_string(line) + " skipped: " + why);
-  }
+  const plan::TableChoice choice = choose(dtype, bytes, collective);
   Decision d;
   if (choice.line != 0) {  // a row of this collective decided
     d.fallback = choice.fallback;
@@ -687,12 +688,7 @@ Communicator::Decision& Communicator::decide_collective(plan::Collective collect
       d.tactic.algorithm = plan::Algorithm::kIslandTwoshot;
     }
   }
-  if (!d.fallback) {
-    d.program = &program_for(d.tactic, false, collective);
-    d.signature = plan::call_signature(dtype, d.tactic, false, collective);
-    d.calls = &collective_calls_[std::string(plan::collective_name(collective))]
-                                [plan::tactic_label(d.tactic)];
-  }
+  install(d, dtype, collective);
   return collective_decisions_.emplace(key, d).first->second;
 }
 
@@ -700,7 +696,7 @@ Decline Communicator::collective_decline_reason(plan::Collective collective,
                                                 const at::Tensor& inp) {
   if (collective == plan::Collective::kAllReduce) return decline_reason(inp);
   const int64_t message = message_numel(collective, inp, std::max(options_.world, 1));
-  const Decline d = collective_admission(collective, inp, message);
+  const Decline d = collective_admission(inp, message);
   if (d != Decline::kNone) return d;
   const auto dtype = *to_plan_dtype(inp.scalar_type());
   return decide_collective(collective, dtype, message * plan::dtype_bytes(dtype)).fallback
@@ -757,7 +753,7 @@ void Communicator::run_collective(plan::Collective collective, const at::Tensor&
   at::Tensor dst = executor_ready(out) ? out : at::empty(out.sizes(), out.options());
   if (!src.is_same(inp) || !dst.is_same(out)) ++staged_;
   const int64_t message = message_numel(collective, src, std::max(options_.world, 1));
-  Decline decline = collective_admission(collective, src, message);
+  Decline decline = collective_admission(src, message);
   Decision* decision = nullptr;
   plan::DType dtype{};
   if (decline == Decline::kNone) {
@@ -776,27 +772,9 @@ void Communicator::run_collective(plan::Collective collective, const at::Tensor&
       return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(t.data_ptr()) -
                                      static_cast<uintptr_t>(options_.rank * chunk_bytes));
     };
-    transport::Call call;
-    call.program = decision->program->id;
-    call.dtype = dtype;
-    call.blocks = decision->tactic.blocks;
-    call.threads = decision->tactic.threads;
     const bool scatter = collective == plan::Collective::kReduceScatter;
-    call.input = scatter ? src.data_ptr() : below(src);
-    call.output = scatter ? below(dst) : dst.data_ptr();
-    call.numel = message;
-    call.signature = decision->signature;
-    call.stream = current_stream(workspace_->device());
-    try {
-      workspace_->run(call);
-    } catch (const transport::TransportFailure& e) {
-      transport_failed(e);
-    }
-    ++*decision->calls;
-    const auto bytes = static_cast<double>(message * plan::dtype_bytes(dtype));
-    const auto& sent = decision->program->sent_fraction;
-    for (size_t p = 0; p < sent.size(); ++p)
-      bytes_sent_[p] += static_cast<int64_t>(sent[p] * bytes);
+    run_kernels(*decision, dtype, scatter ? src.data_ptr() : below(src),
+                scatter ? below(dst) : dst.data_ptr(), message);
   }
   if (!dst.is_same(out)) out.copy_(dst);
 }
@@ -890,21 +868,21 @@ void Communicator::reduce_into(const at::Tensor& inp, at::Tensor& out) {
     skip_call();  // first: a fallback that raises has still taken its generation
     run_fallback(src, dst);
   } else {
-    run_kernels(*decision, dtype, src, dst);
+    run_kernels(*decision, dtype, src.data_ptr(), dst.data_ptr(), src.numel());
   }
   if (!dst.is_same(out)) out.copy_(dst);
 }
 
-void Communicator::run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
-                               at::Tensor& out, const plan::EpilogueArgs* epilogue) {
+void Communicator::run_kernels(const Decision& decision, plan::DType dtype, const void* input,
+                               void* output, int64_t numel, const plan::EpilogueArgs* epilogue) {
   transport::Call call;
   call.program = decision.program->id;
   call.dtype = dtype;
   call.blocks = decision.tactic.blocks;
   call.threads = decision.tactic.threads;
-  call.input = inp.data_ptr();
-  call.output = out.data_ptr();
-  call.numel = inp.numel();
+  call.input = input;
+  call.output = output;
+  call.numel = numel;
   call.signature = decision.signature;
   call.stream = current_stream(workspace_->device());
   if (epilogue != nullptr) call.epilogue = *epilogue;
@@ -914,7 +892,7 @@ void Communicator::run_kernels(const Decision& decision, plan::DType dtype, cons
     transport_failed(e);
   }
   ++*decision.calls;
-  const auto bytes = static_cast<double>(inp.nbytes());
+  const auto bytes = static_cast<double>(numel * plan::dtype_bytes(dtype));
   const auto& sent = decision.program->sent_fraction;
   for (size_t p = 0; p < sent.size(); ++p) bytes_sent_[p] += static_cast<int64_t>(sent[p] * bytes);
 }

@@ -259,6 +259,10 @@ class Communicator {
   };
 
   Decision& decide(plan::DType dtype, int64_t bytes);
+  // The table's choice of `collective` for a message of `bytes`; logs the rows it skipped.
+  plan::TableChoice choose(plan::DType dtype, int64_t bytes, plan::Collective collective);
+  // Fills a kernel decision's program, signature and stats counter from its tactic.
+  void install(Decision& d, plan::DType dtype, plan::Collective collective);
   // A reduce-scatter's or all-gather's decision for a message of `bytes` (plan/tactic.h): the
   // table's first runnable row of that collective (plan/tuning_table.h); without one, the
   // table's all-reduce choice for that message in its two-shot form (twoshot for oneshot,
@@ -269,8 +273,7 @@ class Communicator {
                                 plan::Collective collective = plan::Collective::kAllReduce);
   // The decline of a reduce-scatter or all-gather whose message is `message` elements of `inp`'s
   // dtype (supports() sees `inp`), before the table.
-  Decline collective_admission(plan::Collective collective, const at::Tensor& inp,
-                               int64_t message) const;
+  Decline collective_admission(const at::Tensor& inp, int64_t message) const;
   void run_collective(plan::Collective collective, const at::Tensor& inp, at::Tensor& out);
   void run_collective_fallback(plan::Collective collective, const at::Tensor& inp, at::Tensor& out);
   // Fills `d`'s fused program, signature and counter (a kernel decision) unless already set.
@@ -283,8 +286,10 @@ class Communicator {
   void check_call(const at::Tensor& inp, const at::Tensor& out) const;
   void check_call_device(const at::Tensor& inp) const;  // std::invalid_argument elsewhere
   void reduce_into(const at::Tensor& inp, at::Tensor& out);
-  void run_kernels(const Decision& decision, plan::DType dtype, const at::Tensor& inp,
-                   at::Tensor& out, const plan::EpilogueArgs* epilogue = nullptr);
+  // One call of the decision's program over a message of `numel` elements from `input` to
+  // `output` (the executors' addresses: chunk 0 of the message), counted in the stats.
+  void run_kernels(const Decision& decision, plan::DType dtype, const void* input, void* output,
+                   int64_t numel, const plan::EpilogueArgs* epilogue = nullptr);
   std::optional<std::string> why_not_runnable(const plan::TableRow& row, int64_t bytes) const;
   void run_fallback(const at::Tensor& inp, at::Tensor& out);
   // The generation a fallback call takes (plan::skip_program) on a connected workspace.

@@ -436,6 +436,12 @@ class Simulation {
                                     : std::max(hops_[r], flag.avail);
   }
 
+  // What chunk c of rank r's output holds at the end, or -1 when nothing wrote it.
+  int output_expr(int r, int c) const {
+    auto it = regions_.find(key(r, BufRef{Space::kOutput, static_cast<uint8_t>(r), 0, 0}, c));
+    return it == regions_.end() || it->second.writer < 0 ? -1 : it->second.expr;
+  }
+
   // `expr`, which `what` names, sums every rank's input exactly once, in rank order.
   void check_whole_sum(const std::string& what, int expr) {
     std::vector<int> counts(s_.world, 0);
@@ -457,8 +463,7 @@ class Simulation {
     for (int r = 0; r < s_.world; ++r) {
       for (int c = 0; c < s_.num_chunks; ++c) {
         if (scatter && c != r) continue;
-        auto it = regions_.find(key(r, BufRef{Space::kOutput, static_cast<uint8_t>(r), 0, 0}, c));
-        const int expr = it == regions_.end() || it->second.writer < 0 ? -1 : it->second.expr;
+        const int expr = output_expr(r, c);
         const std::string what = "rank " + std::to_string(r) + " output chunk " +
                                  std::to_string(c) + " = " + exprs_.text(expr);
         if (expr < 0) {
@@ -476,12 +481,10 @@ class Simulation {
 
   void check_outputs() {
     if (s_.collective != Collective::kAllReduce) return check_collective_outputs();
-    const Space out_space = Space::kOutput;
     for (int c = 0; c < s_.num_chunks; ++c) {
       int reference = -2;
       for (int r = 0; r < s_.world; ++r) {
-        auto it = regions_.find(key(r, BufRef{out_space, static_cast<uint8_t>(r), 0, 0}, c));
-        const int expr = it == regions_.end() || it->second.writer < 0 ? -1 : it->second.expr;
+        const int expr = output_expr(r, c);
         const std::string what = "rank " + std::to_string(r) + " output chunk " +
                                  std::to_string(c) + " = " + exprs_.text(expr);
         if (expr < 0) {

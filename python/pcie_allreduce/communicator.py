@@ -312,25 +312,25 @@ class PcieAllReduce:
     # ------------------------------------------------------------------ reduce-scatter, all-gather
     COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
+    def _collective(self, collective: str) -> str:
+        if collective not in self.COLLECTIVES:
+            raise ValueError(f"collective must be one of {', '.join(self.COLLECTIVES)}; "
+                             f"got {collective!r}")
+        return collective
+
     def collective_decline_reason(self, x: torch.Tensor, collective: str) -> Optional[str]:
         """None when the kernels would run ``collective`` (``"all_reduce"``,
         ``"reduce_scatter"`` or ``"all_gather"``) with input ``x``; else the reason code
         (``stats()["collectives"][collective]["declines"]``). Depends only on what every rank
         agrees on (shape, dtype, the table): every rank declines together."""
-        if collective not in self.COLLECTIVES:
-            raise ValueError(f"collective must be one of {', '.join(self.COLLECTIVES)}; "
-                             f"got {collective!r}")
-        return self._comm.collective_decline_reason(collective, x)
+        return self._comm.collective_decline_reason(self._collective(collective), x)
 
     def should_use_collective(self, x: torch.Tensor, collective: str) -> bool:
         return self.collective_decline_reason(x, collective) is None
 
     def chosen_collective_tactic(self, x: torch.Tensor, collective: str) -> str:
         """The tactic label that runs ``collective`` with input ``x``, or ``"fallback"``."""
-        if collective not in self.COLLECTIVES:
-            raise ValueError(f"collective must be one of {', '.join(self.COLLECTIVES)}; "
-                             f"got {collective!r}")
-        return self._comm.chosen_collective_tactic(collective, x)
+        return self._comm.chosen_collective_tactic(self._collective(collective), x)
 
     def reduce_scatter(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """torch's ``reduce_scatter_tensor`` along dim 0, summing: ``x`` is ``[world * m, ...]``
