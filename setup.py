@@ -30,7 +30,11 @@ class CMakeBuild(build_ext):
         env = dict(os.environ)
         env.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_TORCH_ARCHS)
         configure = [
-            "cmake", "-S", str(ROOT), "-B", str(build_dir),
+            "cmake",
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build_dir),
             f"-DPython3_EXECUTABLE={sys.executable}",
             "-DPCIE_AR_WITH_TORCH=ON",
         ]
@@ -54,6 +58,11 @@ setup(
     ext_modules=[CMakeExtension("pcie_allreduce._C")],
     cmdclass={"build_ext": CMakeBuild},
     package_dir={"": "python"},
-    packages=["pcie_allreduce", "pcie_allreduce.integrations", "pcie_allreduce.tuning",
-              "pcie_allreduce.tools", "pcie_allreduce.tools.doctor"],
+    packages=[
+        "pcie_allreduce",
+        "pcie_allreduce.integrations",
+        "pcie_allreduce.tuning",
+        "pcie_allreduce.tools",
+        "pcie_allreduce.tools.doctor",
+    ],
 )

@@ -21,8 +21,9 @@ import torch.multiprocessing as mp
 
 def _rank(rank: int, world: int, port: int, reps: int, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from pcie_allreduce import PcieAllReduce
 
     seconds = []
@@ -48,17 +49,21 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args.reps, queue))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.world, port, args.reps, queue))
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     import pcie_allreduce
 
-    print(f"construction+destroy world={args.world} reps={args.reps} "
-          f"package={os.path.dirname(pcie_allreduce.__file__)}: "
-          f"median {queue.get() * 1e3:.2f} ms (slowest rank)")
+    print(
+        f"construction+destroy world={args.world} reps={args.reps} "
+        f"package={os.path.dirname(pcie_allreduce.__file__)}: "
+        f"median {queue.get() * 1e3:.2f} ms (slowest rank)"
+    )
 
 
 if __name__ == "__main__":

@@ -110,10 +110,12 @@ def _first_rank_then_rest(rank: int, build: Callable[[], Any]) -> Tuple[Any, Opt
     return result, None
 
 
-def _load_deepspeed(rank: int, world: int, port: int, dtype: torch.dtype
-                    ) -> Tuple[Optional[Callable], Optional[str]]:
+def _load_deepspeed(
+    rank: int, world: int, port: int, dtype: torch.dtype
+) -> Tuple[Optional[Callable], Optional[str]]:
     def build() -> Any:
         from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
         builder = ShareMemCommBuilder()
         if not builder.is_compatible(verbose=False):
             raise RuntimeError("ShareMemCommBuilder.is_compatible() is False on this host")
@@ -143,8 +145,12 @@ class _FloorLink:
         from torch.utils.cpp_extension import load
 
         def build() -> Any:
-            return load(name="pcie_bench_cpu_floor", sources=[FLOOR_SRC],
-                        extra_cflags=["-O3", "-march=native"], verbose=False)
+            return load(
+                name="pcie_bench_cpu_floor",
+                sources=[FLOOR_SRC],
+                extra_cflags=["-O3", "-march=native"],
+                verbose=False,
+            )
 
         self.module, self.why = _first_rank_then_rest(rank, build)
         self.floor = None
@@ -165,8 +171,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
     faulthandler.enable()  # a crash in any candidate's C++ names the Python line
     os.environ.update(MASTER_ADDR=ADDR, MASTER_PORT=str(port), LOCAL_SIZE=str(world))
     torch.set_num_threads(1)  # also DeepSpeed's OpenMP loops: they run on torch's libgomp
-    dist.init_process_group("gloo", init_method=f"tcp://{ADDR}:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{ADDR}:{port}", rank=rank, world_size=world)
     from pcie_allreduce import PcieAllReduce
     from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 
@@ -212,8 +217,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
             calls(y)[name]()
         return y
 
-    report: Dict[str, Any] = {"sizes": sizes, "names": names, "skipped": skipped,
-                              "us": {}, "ratio": {}, "wrong": {}, "iters": {}, "tactic": {}}
+    report: Dict[str, Any] = {
+        "sizes": sizes,
+        "names": names,
+        "skipped": skipped,
+        "us": {},
+        "ratio": {},
+        "wrong": {},
+        "iters": {},
+        "tactic": {},
+    }
     for size in sizes:
         numel = size // elem
         wrong = torch.zeros(len(names), dtype=torch.int64)
@@ -226,8 +239,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
         dist.all_reduce(wrong)
         z = torch.zeros(numel, dtype=dtype)  # values never grow: no denormals or inf
         declined = ar.decline_reason(z)
-        report["tactic"][size] = (f"fallback ({declined})" if declined is not None
-                                  else ar.chosen_tactic(z))
+        report["tactic"][size] = (
+            f"fallback ({declined})" if declined is not None else ar.chosen_tactic(z)
+        )
         fns = calls(z)
         iters: Dict[str, int] = {}
         for name, fn in fns.items():  # warm up, then size the count to the time budget
@@ -244,7 +258,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
         report["us"][size] = {n: statistics.median(v) * 1e6 for n, v in times.items()}
         report["ratio"][size] = {
             n: statistics.median(a / b for a, b in zip(v, times[BASE]))
-            for n, v in times.items() if BASE in times}
+            for n, v in times.items()
+            if BASE in times
+        }
         report["wrong"][size] = dict(zip(names, wrong.tolist()))
         report["iters"][size] = iters
     ar.destroy()
@@ -266,20 +282,24 @@ def _machine() -> str:
         pass
     try:
         import importlib.metadata as md
+
         ds = md.version("deepspeed")
     except Exception:
         ds = "not installed"
     try:  # where the package lives and when its _C was built, without importing it here
         import glob
         import importlib.util
+
         where = os.path.dirname(importlib.util.find_spec("pcie_allreduce").origin)
         so = glob.glob(os.path.join(where, "_C*.so"))
         built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(so[0])))
         ours = f"at {where}, _C built {built}"
     except Exception:
         ours = "?"
-    return (f"{os.cpu_count()} CPUs ({model}), torch {torch.__version__}, deepspeed {ds}, "
-            f"pcie_allreduce {ours}")
+    return (
+        f"{os.cpu_count()} CPUs ({model}), torch {torch.__version__}, deepspeed {ds}, "
+        f"pcie_allreduce {ours}"
+    )
 
 
 def _loadavg() -> str:
@@ -296,8 +316,7 @@ def _run_one(world: int, dtype_name: str, args: argparse.Namespace) -> Optional[
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out_q))
-             for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out_q)) for r in range(world)]
     for proc in procs:
         proc.start()
     report = None
@@ -308,8 +327,11 @@ def _run_one(world: int, dtype_name: str, args: argparse.Namespace) -> Optional[
             except queue_mod.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead or all(p.exitcode is not None for p in procs):
-                    print(f"# world {world} {dtype_name}: a rank exited "
-                          f"(exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+                    print(
+                        f"# world {world} {dtype_name}: a rank exited "
+                        f"(exit codes {[p.exitcode for p in procs]})",
+                        file=sys.stderr,
+                    )
                     break
         for proc in procs:
             proc.join(timeout=None if report is not None else 5.0)
@@ -318,8 +340,7 @@ def _run_one(world: int, dtype_name: str, args: argparse.Namespace) -> Optional[
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
-        leftovers = [_floor_shm(port).lstrip("/")] + [_deepspeed_shm(port, r)
-                                                       for r in range(world)]
+        leftovers = [_floor_shm(port).lstrip("/")] + [_deepspeed_shm(port, r) for r in range(world)]
         for name in leftovers:
             path = os.path.join("/dev/shm", name)
             if os.path.exists(path):
@@ -328,22 +349,28 @@ def _run_one(world: int, dtype_name: str, args: argparse.Namespace) -> Optional[
     return report
 
 
-def _print_table(world: int, dtype_name: str, report: Dict[str, Any],
-                 args: argparse.Namespace, wall_s: float) -> None:
+def _print_table(
+    world: int, dtype_name: str, report: Dict[str, Any], args: argparse.Namespace, wall_s: float
+) -> None:
     names = report["names"]
     others = [n for n in names if n != BASE]
     print(f"\n### world {world}, {dtype_name}\n")
     print(f"- machine: {_machine()}")
     print(f"- command: {' '.join(shlex.quote(a) for a in sys.argv)}")
-    print(f"- median over {args.rounds} interleaved rounds of the slowest rank's mean us per "
-          f"call (~{args.budget:g} s per candidate per round); x/{BASE}: median of per-round "
-          f"ratios; verified against the float64 sum on 2 fresh inputs per size")
+    print(
+        f"- median over {args.rounds} interleaved rounds of the slowest rank's mean us per "
+        f"call (~{args.budget:g} s per candidate per round); x/{BASE}: median of per-round "
+        f"ratios; verified against the float64 sum on 2 fresh inputs per size"
+    )
     for name, why in report["skipped"].items():
         print(f"- {name}: skipped: {why}")
-    print(f"- wall time: {wall_s:.1f} s; load average (1/5/15 min) before: {args.load_before}, "
-          f"after: {_loadavg()} (other load on the machine distorts everything)\n")
-    head = (["bytes"] + [f"{n} us" for n in names] + [f"{n}/{BASE}" for n in others]
-            + ["ours tactic"])
+    print(
+        f"- wall time: {wall_s:.1f} s; load average (1/5/15 min) before: {args.load_before}, "
+        f"after: {_loadavg()} (other load on the machine distorts everything)\n"
+    )
+    head = (
+        ["bytes"] + [f"{n} us" for n in names] + [f"{n}/{BASE}" for n in others] + ["ours tactic"]
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---:" for _ in head[:-1]) + "|:---|")
     bad = []
@@ -365,14 +392,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, nargs="+", default=[2])
     p.add_argument("--dtype", nargs="+", choices=["bf16", "fp32"], default=["bf16"])
-    p.add_argument("--sizes", nargs="+", type=_parse_bytes,
-                   help="message sizes in bytes (suffixes K, M), default 1K..16M by powers of 2")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        type=_parse_bytes,
+        help="message sizes in bytes (suffixes K, M), default 1K..16M by powers of 2",
+    )
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--budget", type=float, default=0.2,
-                   help="seconds per candidate per round (at least 3 calls)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=0.2,
+        help="seconds per candidate per round (at least 3 calls)",
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=[n for n in NAMES if n != BASE])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: sizes 1K 64K 1M, 3 rounds, 0.03 s budget")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: sizes 1K 64K 1M, 3 rounds, 0.03 s budget"
+    )
     args = p.parse_args()
     if args.quick:
         args.sizes = args.sizes or [1 << 10, 1 << 16, 1 << 20]

@@ -51,8 +51,9 @@ def _time(fn, iters: int) -> float:
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from pcie_allreduce import PcieAllReduce
     from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 
@@ -65,9 +66,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         size *= 2
     max_numel = max(sizes) // elem
     candidates = {"seed": None} if args.seed_only else CANDIDATES
-    comms = {name: PcieAllReduce(None, "cpu", max_numel=max_numel,
-                                 table=None if row is None else row + "\n")
-             for name, row in candidates.items()}
+    comms = {
+        name: PcieAllReduce(
+            None, "cpu", max_numel=max_numel, table=None if row is None else row + "\n"
+        )
+        for name, row in candidates.items()
+    }
     results: Dict[int, Dict[str, float]] = {}
     for size in sizes:
         x = rank_input(rank, size // elem, dtype)
@@ -79,7 +83,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         times: Dict[str, List[float]] = {name: [] for name in comms}
         names = list(comms)
         for round_ in range(args.rounds):
-            order = names[round_ % len(names):] + names[:round_ % len(names)]
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
             for name in order:
                 dist.barrier()
                 t = torch.tensor([_time(lambda: comms[name].all_reduce(x), args.iters)])
@@ -101,14 +105,19 @@ def main() -> int:
     p.add_argument("--max-bytes", type=int, default=256 * 1024)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--seed-only", action="store_true",
-                   help="time only the seed table's choice (to compare two builds)")
+    p.add_argument(
+        "--seed-only",
+        action="store_true",
+        help="time only the seed table's choice (to compare two builds)",
+    )
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world, port, args, queue))
+        for r in range(args.world)
+    ]
     for proc in procs:
         proc.start()
     results = queue.get()
@@ -119,14 +128,21 @@ def main() -> int:
             print(f"{size} {t['seed'] * 1e6:.2f}")
         return 0
     names = list(CANDIDATES)
-    print(f"# host transport, world {args.world}, {args.dtype}, {os.cpu_count()} CPUs; "
-          f"median of {args.rounds} interleaved rounds x {args.iters} calls, slowest rank, us")
-    print(f"{'bytes':>8} " + " ".join(f"{n:>13}" for n in names) +
-          "  ll/flag oneshot  ll/flag twoshot")
+    print(
+        f"# host transport, world {args.world}, {args.dtype}, {os.cpu_count()} CPUs; "
+        f"median of {args.rounds} interleaved rounds x {args.iters} calls, slowest rank, us"
+    )
+    print(
+        f"{'bytes':>8} "
+        + " ".join(f"{n:>13}" for n in names)
+        + "  ll/flag oneshot  ll/flag twoshot"
+    )
     for size, t in results.items():
         cells = " ".join(f"{t[n] * 1e6:>13.2f}" for n in names)
-        print(f"{size:>8} {cells}  {t['oneshot/ll'] / t['oneshot/flag']:>15.2f}"
-              f"  {t['twoshot/ll'] / t['twoshot/flag']:>15.2f}")
+        print(
+            f"{size:>8} {cells}  {t['oneshot/ll'] / t['oneshot/flag']:>15.2f}"
+            f"  {t['twoshot/ll'] / t['twoshot/flag']:>15.2f}"
+        )
     return 0
 
 

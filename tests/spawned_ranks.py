@@ -16,17 +16,25 @@ import pytest
 import torch.multiprocessing as mp
 
 
-def spawn_ranks(entry: Callable[..., None], world: int, fn: Callable[..., Any], args: tuple,
-                env: Dict[str, Any], timeout: float,
-                started: Optional[Callable[[int], None]] = None) -> List[Any]:
+def spawn_ranks(
+    entry: Callable[..., None],
+    world: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: Dict[str, Any],
+    timeout: float,
+    started: Optional[Callable[[int], None]] = None,
+) -> List[Any]:
     """Runs the ranks; fails the test if any hangs past ``timeout`` (they are killed). Returns
     each rank's pickled result, or its exit code (an int) when it died without one.
     ``started(pid)`` is called for every process started."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=entry, args=(r, world, init_file, fn, args, env, tmp))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=entry, args=(r, world, init_file, fn, args, env, tmp))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
             if started is not None:
@@ -60,9 +68,13 @@ def fail_on_errors(results: List[Dict[str, Any]]) -> None:
             pytest.fail(f"rank {r} failed: {res['error']}\n{res['traceback']}")
 
 
-def report(rank: int, out_dir: str, body: Callable[[], Any],
-           on_error: Callable[[BaseException], Dict[str, Any]] = lambda e: {},
-           always: Callable[[], Dict[str, Any]] = dict) -> Dict[str, Any]:
+def report(
+    rank: int,
+    out_dir: str,
+    body: Callable[[], Any],
+    on_error: Callable[[BaseException], Dict[str, Any]] = lambda e: {},
+    always: Callable[[], Dict[str, Any]] = dict,
+) -> Dict[str, Any]:
     """In a rank: runs ``body()`` and pickles what spawn_ranks reads back, ``{"ok": True,
     "value"}`` or ``{"ok": False, "error", "type", "traceback", **on_error(e)}``, each with
     ``always()`` added. Returns that dict."""
@@ -70,8 +82,13 @@ def report(rank: int, out_dir: str, body: Callable[[], Any],
     try:
         result = {"ok": True, "value": body()}
     except BaseException as e:  # report everything, SystemExit from a test body included
-        result = {"ok": False, "error": repr(e), "type": type(e).__name__,
-                  "traceback": traceback.format_exc(), **on_error(e)}
+        result = {
+            "ok": False,
+            "error": repr(e),
+            "type": type(e).__name__,
+            "traceback": traceback.format_exc(),
+            **on_error(e),
+        }
     result.update(always())
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)

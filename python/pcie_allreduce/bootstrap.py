@@ -112,13 +112,15 @@ class Bootstrap:
         """Every rank's ``data``, in rank order; raises naming the ranks that did not arrive."""
         deadline = self._deadline()
         lengths = {p: torch.zeros(1, dtype=torch.int64) for p in self._peers}
-        self._exchange(torch.tensor([len(data)], dtype=torch.int64), lengths, "length",
-                       deadline, step)
+        self._exchange(
+            torch.tensor([len(data)], dtype=torch.int64), lengths, "length", deadline, step
+        )
         bufs = {p: torch.empty(int(lengths[p].item()), dtype=torch.uint8) for p in self._peers}
         if data or any(b.numel() for b in bufs.values()):
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-            self._exchange(payload, {p: b for p, b in bufs.items() if b.numel()}, "data",
-                           deadline, step)
+            self._exchange(
+                payload, {p: b for p, b in bufs.items() if b.numel()}, "data", deadline, step
+            )
         return [data if p == self.rank else bytes(bufs[p].tolist()) for p in range(self.world)]
 
     def gather(self, obj: Any, step: str) -> List[Any]:
@@ -141,15 +143,22 @@ class Bootstrap:
         if failed:
             for p in self._peers:
                 try:
-                    _never_taken.append(dist.isend(mine, self._global(p), self.group,
-                                                   _TAGS["leave"]))
+                    _never_taken.append(
+                        dist.isend(mine, self._global(p), self.group, _TAGS["leave"])
+                    )
                 except RuntimeError:  # that peer died; nothing is owed to it
                     pass
             return
         bufs = {p: torch.zeros(2, dtype=torch.int64) for p in self._peers}
-        self._exchange(mine, bufs, "leave", self._deadline(), "destroy",
-                       until=lambda got: int(got[0]) == epoch,
-                       takes_ours=lambda p: int(bufs[p][1]) == 0)
+        self._exchange(
+            mine,
+            bufs,
+            "leave",
+            self._deadline(),
+            "destroy",
+            until=lambda got: int(got[0]) == epoch,
+            takes_ours=lambda p: int(bufs[p][1]) == 0,
+        )
 
     def _deadline(self) -> Optional[float]:
         return None if self.timeout_s == 0 else time.monotonic() + self.timeout_s
@@ -184,8 +193,7 @@ class Bootstrap:
         def run(peer: int) -> None:
             if peer in into:
                 while True:
-                    _WAITS.wait(dist.irecv(into[peer], self._global(peer), self.group,
-                                           _TAGS[kind]))
+                    _WAITS.wait(dist.irecv(into[peer], self._global(peer), self.group, _TAGS[kind]))
                     if until is None or until(into[peer]):
                         break
             if peer in sends:
@@ -216,16 +224,18 @@ class Bootstrap:
                 changed.notify()
 
         for p in peers:
-            _WAITS.start(threading.Thread(target=guarded, args=(p,), daemon=True,
-                                          name=f"pcie_allreduce-peer-{p}"))
+            _WAITS.start(
+                threading.Thread(
+                    target=guarded, args=(p,), daemon=True, name=f"pcie_allreduce-peer-{p}"
+                )
+            )
         with changed:
             while len(done) < len(peers):
                 self._raise_failed(done, step)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     late = sorted(set(peers) - set(done))
-                    raise self._error(late, step,
-                                      f"it did not arrive within {self.timeout_s:g} s")
+                    raise self._error(late, step, f"it did not arrive within {self.timeout_s:g} s")
                 changed.wait(left)
         self._raise_failed(done, step)
 

@@ -72,12 +72,22 @@ class PcieAllReduce:
         # Decided by this rank alone (a bad argument raises here, before any exchange), then
         # the collective steps.
         local = construction.decide_locally(
-            self.group, self.device, max_numel=max_numel, hidden=hidden,
-            max_rows=max_rows, table=table, dtypes=dtypes, timeout_s=timeout_s,
-            initial_generation=initial_generation, enabled=enabled, transport=transport)
+            self.group,
+            self.device,
+            max_numel=max_numel,
+            hidden=hidden,
+            max_rows=max_rows,
+            table=table,
+            dtypes=dtypes,
+            timeout_s=timeout_s,
+            initial_generation=initial_generation,
+            enabled=enabled,
+            transport=transport,
+        )
         self.max_numel, self.timeout_s = int(local.opts.max_numel), float(local.opts.timeout_s)
-        built = construction.build(self.group, cpu_group, self.device, local, topology=topology,
-                                   islands=islands)
+        built = construction.build(
+            self.group, cpu_group, self.device, local, topology=topology, islands=islands
+        )
         self._comm, self._boot, self._id = built.comm, built.boot, built.id
         self.handle = built.handle
         self._config, self._table, self._transport_detail = built.config, built.table, built.detail
@@ -157,8 +167,9 @@ class PcieAllReduce:
         return self._comm.failure()
 
     # ------------------------------------------------------------------ before capture
-    def prepare(self, hidden: Optional[int] = None, max_rows: Optional[int] = None
-                ) -> Dict[str, Any]:
+    def prepare(
+        self, hidden: Optional[int] = None, max_rows: Optional[int] = None
+    ) -> Dict[str, Any]:
         """Gets ready for graph capture: installs every program the table can pick for an
         admitted message, so nothing is installed inside a capture. With ``hidden`` and
         ``max_rows`` (decode batch x draft tokens), says once if the workspace (fixed at
@@ -169,9 +180,18 @@ class PcieAllReduce:
             logger.warning(
                 "pcie_allreduce: the workspace holds %d elements = %d rows of %d; batches of "
                 "%d..%d rows go to the fallback (size it with max_numel or "
-                "PCIE_ALLREDUCE_MAX_NUMEL)", self.max_numel, rows, hidden, rows + 1, max_rows)
-        return {"max_numel": self.max_numel, "programs": int(self._comm.prepare()),
-                "rows_covered": rows}
+                "PCIE_ALLREDUCE_MAX_NUMEL)",
+                self.max_numel,
+                rows,
+                hidden,
+                rows + 1,
+                max_rows,
+            )
+        return {
+            "max_numel": self.max_numel,
+            "programs": int(self._comm.prepare()),
+            "rows_covered": rows,
+        }
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -187,9 +207,15 @@ class PcieAllReduce:
             yield
 
     # ------------------------------------------------------------------ tuning
-    def tune(self, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional[int] = None,
-             budget_s: float = 120.0, force: bool = False, progress: Optional[bool] = None
-             ) -> Dict[str, Any]:
+    def tune(
+        self,
+        *,
+        dtypes: Optional[Sequence[str]] = None,
+        max_bytes: Optional[int] = None,
+        budget_s: float = 120.0,
+        force: bool = False,
+        progress: Optional[bool] = None,
+    ) -> Dict[str, Any]:
         """Measures every runnable tactic and the fallback on this host and writes the cache
         (collective). Without ``force`` a valid cache is loaded instead and nothing is
         measured. See :func:`pcie_allreduce.tuning.tuner.tune` for the report."""
@@ -197,8 +223,14 @@ class PcieAllReduce:
             raise RuntimeError("tune() on a destroyed PcieAllReduce")
         from .tuning import tuner
 
-        return tuner.tune(self, dtypes=dtypes, max_bytes=max_bytes, budget_s=budget_s,
-                          force=force, progress=progress)
+        return tuner.tune(
+            self,
+            dtypes=dtypes,
+            max_bytes=max_bytes,
+            budget_s=budget_s,
+            force=force,
+            progress=progress,
+        )
 
     def gather(self, obj: Any, step: str) -> List[Any]:
         """Every rank's JSON-serialisable ``obj``, in rank order (collective, bounded by the
@@ -260,20 +292,28 @@ class PcieAllReduce:
         return t
 
     # ------------------------------------------------------------------ the fused call
-    def fused_decline_reason(self, x: torch.Tensor, residual: torch.Tensor,
-                             weight: torch.Tensor) -> Optional[str]:
+    def fused_decline_reason(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+    ) -> Optional[str]:
         """None when the fused kernels would run ``all_reduce_add_rms_norm(x, residual,
         weight)``; else the reason code (``stats()["fused_declines"]``). A declined call still
         returns the same result, through the unfused path."""
         return self._comm.fused_decline_reason(x, residual, weight)
 
-    def should_use_fused(self, x: torch.Tensor, residual: torch.Tensor,
-                         weight: torch.Tensor) -> bool:
+    def should_use_fused(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+    ) -> bool:
         return self.fused_decline_reason(x, residual, weight) is None
 
     def all_reduce_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-        out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: Optional[torch.Tensor] = None,
+        residual_out: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The end of a decoder layer, fused: ``residual_out = sum_ranks(x) + residual`` and
         ``y = rms_norm(residual_out) * weight``; returns ``(y, residual_out)``.
@@ -314,8 +354,9 @@ class PcieAllReduce:
 
     def _collective(self, collective: str) -> str:
         if collective not in self.COLLECTIVES:
-            raise ValueError(f"collective must be one of {', '.join(self.COLLECTIVES)}; "
-                             f"got {collective!r}")
+            raise ValueError(
+                f"collective must be one of {', '.join(self.COLLECTIVES)}; got {collective!r}"
+            )
         return collective
 
     def collective_decline_reason(self, x: torch.Tensor, collective: str) -> Optional[str]:

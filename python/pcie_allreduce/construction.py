@@ -97,15 +97,17 @@ def read_table(request: policy.TableRequest) -> Table:
         try:
             text = files.read_small(file, in_cache=False).decode("utf-8")
         except (FileNotFoundError, IsADirectoryError) as error:
-            problem = "is a directory" if isinstance(error, IsADirectoryError) else \
-                "does not exist"
-            raise FileNotFoundError(f"{request.what} {request.path!r} {problem}; expected a "
-                                    "tuning-table CSV file") from None
+            problem = "is a directory" if isinstance(error, IsADirectoryError) else "does not exist"
+            raise FileNotFoundError(
+                f"{request.what} {request.path!r} {problem}; expected a tuning-table CSV file"
+            ) from None
         except files.Refused as error:  # a FIFO, a device, a file of many megabytes
             raise ValueError(f"{request.what}: {error}") from None
         except UnicodeDecodeError as error:
-            raise ValueError(f"{request.what} {request.path!r} is not a text tuning table (not "
-                             f"UTF-8 at byte {error.start})") from None
+            raise ValueError(
+                f"{request.what} {request.path!r} is not a text tuning table (not "
+                f"UTF-8 at byte {error.start})"
+            ) from None
     if request.given:
         _C.TuningTable.parse(text, request.source)
     return Table(text, request.source)
@@ -138,19 +140,34 @@ def device_of(device: Union[str, torch.device, int]) -> torch.device:
     return out
 
 
-def decide_locally(group: Any, device: torch.device, *, max_numel: Any, hidden: Any,
-                   max_rows: Any, table: Optional[str], dtypes: Sequence[str], timeout_s: Any,
-                   initial_generation: int, enabled: bool, transport: Optional[str]) -> Local:
+def decide_locally(
+    group: Any,
+    device: torch.device,
+    *,
+    max_numel: Any,
+    hidden: Any,
+    max_rows: Any,
+    table: Optional[str],
+    dtypes: Sequence[str],
+    timeout_s: Any,
+    initial_generation: int,
+    enabled: bool,
+    transport: Optional[str],
+) -> Local:
     """Step 1: the arguments checked (``policy``), the table file read and parsed, the CPU
     reduce kernels chosen, the extension's Options filled; everything raises before any
     exchange. Transport, table key and islands follow from the probe."""
     env = read_env()
     choice = policy.choose_transport(device.type, transport, env.transport, str(device))
-    sizing = policy.size_workspace(explicit=max_numel, from_env=env.max_numel, hidden=hidden,
-                                   max_rows=max_rows)
+    sizing = policy.size_workspace(
+        explicit=max_numel, from_env=env.max_numel, hidden=hidden, max_rows=max_rows
+    )
     if sizing.guessed:
-        logger.warning("pcie_allreduce: no max_numel given; %s (pass max_numel, or hidden and "
-                       "max_rows = decode batch x draft tokens)", sizing.how)
+        logger.warning(
+            "pcie_allreduce: no max_numel given; %s (pass max_numel, or hidden and "
+            "max_rows = decode batch x draft tokens)",
+            sizing.how,
+        )
     timeout = env.timeout_s if timeout_s is None else policy.check_timeout(timeout_s, "timeout_s")
     if device.type == "cpu" and env.host_reduce is not None:
         # Process-wide and rank-local: every kernel set gives the same bits.
@@ -179,8 +196,15 @@ def decide_locally(group: Any, device: torch.device, *, max_numel: Any, hidden: 
     return Local(opts, choice, request.given, off)
 
 
-def build(group: Any, cpu_group: Any, device: torch.device, local: Local, *, topology: Any,
-          islands: Optional[Sequence[Sequence[int]]]) -> Built:
+def build(
+    group: Any,
+    cpu_group: Any,
+    device: torch.device,
+    local: Local,
+    *,
+    topology: Any,
+    islands: Optional[Sequence[Sequence[int]]],
+) -> Built:
     """Steps 2 to 5 (collective). Making a gloo group when none is given is torch's own
     collective and unbounded; every exchange after it is bounded by the timeout."""
     boot = Bootstrap(_cpu_group_for(group, cpu_group), float(local.opts.timeout_s))
@@ -191,8 +215,14 @@ def build(group: Any, cpu_group: Any, device: torch.device, local: Local, *, top
 class Builder:
     """One construction: the steps above as methods, each one exchange (or a few)."""
 
-    def __init__(self, boot: Bootstrap, device: torch.device, opts: Any,
-                 choice: policy.TransportChoice, table_given: bool) -> None:
+    def __init__(
+        self,
+        boot: Bootstrap,
+        device: torch.device,
+        opts: Any,
+        choice: policy.TransportChoice,
+        table_given: bool,
+    ) -> None:
         self.boot, self.device, self.opts = boot, device, opts
         self.choice, self.table_given = choice, table_given
         self.rank, self.world = int(opts.rank), int(opts.world)
@@ -220,22 +250,31 @@ class Builder:
                 comm = self.after_p2p_failure(comm, why)
             elif why is not None:
                 comm.disable("no_p2p", f"{why} ({self.detail})")
-        config = Config(self.transport, self.choice.mode, self.key, tuple(self.island_of),
-                        tuple(self.opts.dtypes), int(self.opts.max_blocks), self.fingerprint,
-                        dict(self.fields))
-        table = Table(self.opts.table_text or _C.TuningTable.embedded_text(),
-                      self.opts.table_source)
-        return Built(comm, _C.register_communicator(comm), self.boot, config, table,
-                     self.detail, self.id)
+        config = Config(
+            self.transport,
+            self.choice.mode,
+            self.key,
+            tuple(self.island_of),
+            tuple(self.opts.dtypes),
+            int(self.opts.max_blocks),
+            self.fingerprint,
+            dict(self.fields),
+        )
+        table = Table(
+            self.opts.table_text or _C.TuningTable.embedded_text(), self.opts.table_source
+        )
+        return Built(
+            comm, _C.register_communicator(comm), self.boot, config, table, self.detail, self.id
+        )
 
     def set_transport(self, transport: str) -> None:
         """The transport, its table key and the fingerprint of this host's cache for it."""
         self.transport, self.key = transport, policy.table_key(transport, self.probed)
         self.opts.transport, self.opts.topology_key = transport, self.key
         self.opts.island_of = list(self.island_of)
-        self.fields = policy.fingerprint_fields(transport, self.world, self.key,
-                                                self.island_of, self.devices, self.driver,
-                                                self.links)
+        self.fields = policy.fingerprint_fields(
+            transport, self.world, self.key, self.island_of, self.devices, self.driver, self.links
+        )
         self.fingerprint = policy.fingerprint(self.fields)
 
     # ------------------------------------------------------------------ the exchanges
@@ -243,14 +282,16 @@ class Builder:
         """The first exchange: every rank arrives (or is named), and ranks on different
         machines turn the backend off before anything tries to share memory with a peer."""
         met = self.boot.gather(
-            {"host": host_identity(), "id": int.from_bytes(os.urandom(6), "little")}, "meet")
+            {"host": host_identity(), "id": int.from_bytes(os.urandom(6), "little")}, "meet"
+        )
         self.id = met[0]["id"]
         hosts = [m["host"] for m in met]
         if off == ON and len(set(hosts)) > 1:
             other = next(r for r, h in enumerate(hosts) if h != hosts[0])
             return "multi_host", (
                 f"rank 0 runs on {hosts[0]} and rank {other} on {hosts[other]}: shared memory "
-                "needs one host, so this group keeps its own all-reduce")
+                "needs one host, so this group keeps its own all-reduce"
+            )
         return off
 
     def probe(self, topology: Any, islands: Optional[Sequence[Sequence[int]]], off: Off) -> Off:
@@ -285,7 +326,8 @@ class Builder:
             # A given table is compared by hash; without one, every rank takes rank 0's
             # reading of the host's cache (a file another server may be writing right now).
             "table_hash": _C.TuningTable.parse(opts.table_text, opts.table_source).hash()
-            if self.table_given else "cache or seed",
+            if self.table_given
+            else "cache or seed",
             "topology": self.key,
             "island_of": list(self.island_of),
             "timeout_s": float(opts.timeout_s),
@@ -304,9 +346,12 @@ class Builder:
         exists but cannot be used is reported and ignored; the next tune replaces it)."""
         found = cache.read_cache(cache.cache_path(self.fingerprint), self.fingerprint)
         if found.problem is not None:
-            logger.warning("pcie_allreduce: ignoring the tuning cache %s: %s; using the seed "
-                           "table until `pcie-allreduce tune` replaces it", found.path,
-                           found.problem)
+            logger.warning(
+                "pcie_allreduce: ignoring the tuning cache %s: %s; using the seed "
+                "table until `pcie-allreduce tune` replaces it",
+                found.path,
+                found.problem,
+            )
         if found.text is None:
             return None
         return {"text": found.text, "source": policy.cache_source(found.path)}
@@ -357,9 +402,12 @@ class Builder:
         Collective. Returns the communicator that runs from now on."""
         moved_to = policy.transport_after_p2p_failure(self.choice.mode)
         if moved_to is None:
-            comm.disable("no_p2p", f"{why}; check the IOMMU/ACS settings of the PCIe path "
-                         f"between those GPUs (transport {policy.CUDA_IPC}: host memory was not "
-                         "tried)")
+            comm.disable(
+                "no_p2p",
+                f"{why}; check the IOMMU/ACS settings of the PCIe path "
+                f"between those GPUs (transport {policy.CUDA_IPC}: host memory was not "
+                "tried)",
+            )
             self.detail = f"peer-to-peer failed: {why}"
             return comm
         comm.close_peers()
@@ -367,20 +415,25 @@ class Builder:
         comm.release()
         self.set_transport(moved_to)
         if not self.table_given:  # this host's cache for the new transport, as rank 0 reads it
-            found = self.boot.gather(self.read_cache() if self.rank == 0 else None,
-                                     "host memory table")[0]
+            found = self.boot.gather(
+                self.read_cache() if self.rank == 0 else None, "host memory table"
+            )[0]
             self.opts.table_text, self.opts.table_source = (
-                (found["text"], found["source"]) if found else ("", policy.SEED_SOURCE))
+                (found["text"], found["source"]) if found else ("", policy.SEED_SOURCE)
+            )
         comm = _C.Communicator(self.opts)
-        self.detail = (f"peer-to-peer failed: {why}; every workspace is in shared pinned host "
-                       "memory")
+        self.detail = f"peer-to-peer failed: {why}; every workspace is in shared pinned host memory"
         again = self.connect_gpus(comm)
         if again is not None:
             comm.disable("no_p2p", f"{why}; host memory failed too: {again}")
             self.detail = f"peer-to-peer and host memory failed: {again}"
         elif self.rank == 0:
-            logger.warning("pcie_allreduce: %s (transport %s; PCIE_ALLREDUCE_TRANSPORT=%s "
-                           "declines instead)", self.detail, moved_to, policy.CUDA_IPC)
+            logger.warning(
+                "pcie_allreduce: %s (transport %s; PCIE_ALLREDUCE_TRANSPORT=%s declines instead)",
+                self.detail,
+                moved_to,
+                policy.CUDA_IPC,
+            )
         return comm
 
 
@@ -394,5 +447,6 @@ def _disagreement(everyone: List[Dict[str, Any]]) -> Off:
             if theirs[key] != everyone[0][key]:
                 return "disabled", (
                     f"ranks disagree on {key}: rank {r} has {theirs[key]!r}, "
-                    f"rank 0 has {everyone[0][key]!r}")
+                    f"rank 0 has {everyone[0][key]!r}"
+                )
     return ON

@@ -71,8 +71,13 @@ def _flag(env: Mapping[str, str], name: str, default: Optional[bool]) -> Optiona
     raise ValueError(f"{name} must be 1/0 (or true/false, yes/no, on/off), got {raw!r}")
 
 
-def _number(env: Mapping[str, str], name: str, parse: Callable[[str], Any],
-            check: Callable[..., Any], default: Any) -> Any:
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    parse: Callable[[str], Any],
+    check: Callable[..., Any],
+    default: Any,
+) -> Any:
     """A numeric flag: ``parse`` it, then ``check`` it under the policy's rule for it (a value
     that does not parse is checked as -1, so the rule's message says what was expected)."""
     raw = env.get(name)
@@ -124,20 +129,25 @@ def integrations_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
 # Env field -> (its flag, its parser): each flag is read by exactly one of these.
 _FLAGS: Dict[str, Tuple[str, Callable[[Mapping[str, str]], Any]]] = {
     "enable": ("PCIE_ALLREDUCE_ENABLE", lambda e: _flag(e, "PCIE_ALLREDUCE_ENABLE", None)),
-    "max_numel": ("PCIE_ALLREDUCE_MAX_NUMEL",
-                  lambda e: _number(e, "PCIE_ALLREDUCE_MAX_NUMEL", int, policy.check_max_numel,
-                                    None)),
+    "max_numel": (
+        "PCIE_ALLREDUCE_MAX_NUMEL",
+        lambda e: _number(e, "PCIE_ALLREDUCE_MAX_NUMEL", int, policy.check_max_numel, None),
+    ),
     "table": ("PCIE_ALLREDUCE_TABLE", lambda e: e.get("PCIE_ALLREDUCE_TABLE") or None),
-    "timeout_s": ("PCIE_ALLREDUCE_TIMEOUT_S",
-                  lambda e: _number(e, "PCIE_ALLREDUCE_TIMEOUT_S", float, policy.check_timeout,
-                                    30.0)),
+    "timeout_s": (
+        "PCIE_ALLREDUCE_TIMEOUT_S",
+        lambda e: _number(e, "PCIE_ALLREDUCE_TIMEOUT_S", float, policy.check_timeout, 30.0),
+    ),
     "log_level": ("PCIE_ALLREDUCE_LOG_LEVEL", _log_level),
-    "disable_autotune": ("PCIE_ALLREDUCE_DISABLE_AUTOTUNE",
-                         lambda e: bool(_flag(e, "PCIE_ALLREDUCE_DISABLE_AUTOTUNE", False))),
+    "disable_autotune": (
+        "PCIE_ALLREDUCE_DISABLE_AUTOTUNE",
+        lambda e: bool(_flag(e, "PCIE_ALLREDUCE_DISABLE_AUTOTUNE", False)),
+    ),
     "host_reduce": ("PCIE_ALLREDUCE_HOST_REDUCE", _host_reduce),
-    "transport": ("PCIE_ALLREDUCE_TRANSPORT",
-                  lambda e: policy.cuda_mode(e.get("PCIE_ALLREDUCE_TRANSPORT"),
-                                             "PCIE_ALLREDUCE_TRANSPORT")),
+    "transport": (
+        "PCIE_ALLREDUCE_TRANSPORT",
+        lambda e: policy.cuda_mode(e.get("PCIE_ALLREDUCE_TRANSPORT"), "PCIE_ALLREDUCE_TRANSPORT"),
+    ),
     "pdl": ("PCIE_ALLREDUCE_PDL", lambda e: bool(_flag(e, "PCIE_ALLREDUCE_PDL", True))),
     "cache_dir": ("PCIE_ALLREDUCE_CACHE_DIR", lambda e: _path(e, "PCIE_ALLREDUCE_CACHE_DIR")),
     "xdg_cache_home": ("XDG_CACHE_HOME", lambda e: _path(e, "XDG_CACHE_HOME")),

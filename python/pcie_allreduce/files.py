@@ -31,9 +31,14 @@ class Refused(OSError):
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -55,12 +60,16 @@ def folder_problem(folder: Path) -> Optional[str]:
     if not stat.S_ISDIR(st.st_mode):
         return f"cache folder {folder} is {_kind(st.st_mode)}, not a folder"
     if not _trusted_owner(st.st_uid):
-        return (f"cache folder {folder} belongs to uid {st.st_uid}, not to this user "
-                f"(uid {os.geteuid()}) or root: another user could plant a table in it")
+        return (
+            f"cache folder {folder} belongs to uid {st.st_uid}, not to this user "
+            f"(uid {os.geteuid()}) or root: another user could plant a table in it"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (f"cache folder {folder} is writable by others (mode "
-                f"{stat.S_IMODE(st.st_mode):o}): another user could plant a table in it; "
-                f"`chmod go-w {folder}` or point PCIE_ALLREDUCE_CACHE_DIR elsewhere")
+        return (
+            f"cache folder {folder} is writable by others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): another user could plant a table in it; "
+            f"`chmod go-w {folder}` or point PCIE_ALLREDUCE_CACHE_DIR elsewhere"
+        )
     return None
 
 
@@ -87,8 +96,10 @@ def _open(path: Path, flags: int, in_cache: bool, mode: int = 0o600) -> int:
         fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as error:
         if error.errno == errno.ELOOP and in_cache:
-            raise Refused(f"{path} is a symbolic link: files in the cache folder are read and "
-                          "written only as themselves") from None
+            raise Refused(
+                f"{path} is a symbolic link: files in the cache folder are read and "
+                "written only as themselves"
+            ) from None
         raise
     try:
         st = os.fstat(fd)
@@ -97,14 +108,19 @@ def _open(path: Path, flags: int, in_cache: bool, mode: int = 0o600) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise Refused(f"{path} is {_kind(st.st_mode)}, expected a regular file")
         if in_cache and not _trusted_owner(st.st_uid):
-            raise Refused(f"{path} belongs to uid {st.st_uid}, not to this user (uid "
-                          f"{os.geteuid()}) or root: not trusted; delete it")
+            raise Refused(
+                f"{path} belongs to uid {st.st_uid}, not to this user (uid "
+                f"{os.geteuid()}) or root: not trusted; delete it"
+            )
         if in_cache and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise Refused(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
-                          "not trusted; delete it")
+            raise Refused(
+                f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                "not trusted; delete it"
+            )
         if st.st_size > MAX_FILE_BYTES:
-            raise Refused(f"{path} holds {st.st_size} bytes, more than the {MAX_FILE_BYTES} "
-                          "any table needs")
+            raise Refused(
+                f"{path} holds {st.st_size} bytes, more than the {MAX_FILE_BYTES} any table needs"
+            )
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

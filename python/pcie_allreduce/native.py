@@ -33,24 +33,33 @@ def _all_reduce_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> 
     return None
 
 
-
 @torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm")
-def _all_reduce_add_rms_norm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                  eps: float, handle: int):
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            torch.empty(residual.shape, dtype=residual.dtype, device=residual.device))
+def _all_reduce_add_rms_norm_fake(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int
+):
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
+    )
 
 
 @torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm_")
-def _all_reduce_add_rms_norm_inplace_fake(x: torch.Tensor, residual: torch.Tensor,
-                                          weight: torch.Tensor, eps: float, handle: int) -> None:
+def _all_reduce_add_rms_norm_inplace_fake(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int
+) -> None:
     return None
 
 
 @torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm_into")
-def _all_reduce_add_rms_norm_into_fake(x: torch.Tensor, residual: torch.Tensor,
-                                       weight: torch.Tensor, eps: float, handle: int,
-                                       out: torch.Tensor, residual_out: torch.Tensor) -> None:
+def _all_reduce_add_rms_norm_into_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    handle: int,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+) -> None:
     return None
 
 

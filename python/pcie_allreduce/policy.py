@@ -55,8 +55,9 @@ def _spellings(names: Sequence[str]) -> str:
     return f"one of {', '.join(names)}" + (f" (or {', '.join(aliases)})" if aliases else "")
 
 
-def canonical(raw: Optional[str], what: str = "transport",
-              accepted: Sequence[str] = (AUTO, *TRANSPORTS)) -> str:
+def canonical(
+    raw: Optional[str], what: str = "transport", accepted: Sequence[str] = (AUTO, *TRANSPORTS)
+) -> str:
     """The canonical name of ``raw`` (a name or an alias; case and spaces ignored; None or
     empty is auto), or a ValueError saying what ``what`` accepts."""
     value = AUTO if raw is None or raw.strip() == "" else raw.strip().lower()
@@ -85,12 +86,14 @@ class TransportChoice:
             return f"CPU tensors: {WHAT[HOST_SHM]}"
         if self.name == CUDA_HOST:
             return f"{self.asked_by}: {WHAT[CUDA_HOST]}"
-        return (f"peer-to-peer: {WHAT[CUDA_IPC]}"
-                + (f" (transport {CUDA_IPC})" if self.mode == CUDA_IPC else ""))
+        return f"peer-to-peer: {WHAT[CUDA_IPC]}" + (
+            f" (transport {CUDA_IPC})" if self.mode == CUDA_IPC else ""
+        )
 
 
-def choose_transport(device_type: str, argument: Optional[str], env_mode: str,
-                     device: str = "") -> TransportChoice:
+def choose_transport(
+    device_type: str, argument: Optional[str], env_mode: str, device: str = ""
+) -> TransportChoice:
     """``transport=`` (None: ``env_mode``, PCIE_ALLREDUCE_TRANSPORT) for a communicator whose
     tensors live on ``device_type``; a transport those tensors cannot use is a ValueError."""
     if device_type != "cuda":
@@ -98,15 +101,18 @@ def choose_transport(device_type: str, argument: Optional[str], env_mode: str,
             raise ValueError(
                 f"transport={argument!r} chooses how GPUs reach each other; this communicator "
                 f"is on {device or device_type} (CPU tensors use POSIX shared memory): pass "
-                f"transport=None, {AUTO!r} or {HOST_SHM!r}")
+                f"transport=None, {AUTO!r} or {HOST_SHM!r}"
+            )
         return TransportChoice(HOST_SHM, HOST_SHM, "")
     if argument is None:
         mode, asked_by = env_mode, f"PCIE_ALLREDUCE_TRANSPORT={env_mode}"
     else:
         if canonical(argument) == HOST_SHM:
-            raise ValueError(f"transport={argument!r} is the CPU tensors' transport; this "
-                             f"communicator is on {device or device_type}: pass "
-                             f"{_spellings(CUDA_MODES)}, or None")
+            raise ValueError(
+                f"transport={argument!r} is the CPU tensors' transport; this "
+                f"communicator is on {device or device_type}: pass "
+                f"{_spellings(CUDA_MODES)}, or None"
+            )
         mode = cuda_mode(argument, "transport")
         asked_by = f"transport={mode!r}"
     return TransportChoice(CUDA_HOST if mode == CUDA_HOST else CUDA_IPC, mode, asked_by)
@@ -224,12 +230,14 @@ def table_request(argument: Optional[str], env_table: Optional[str]) -> TableReq
     if argument is None:
         if env_table is None:
             return TableRequest()
-        return TableRequest(path=env_table, source=f"PCIE_ALLREDUCE_TABLE {env_table}",
-                            what="PCIE_ALLREDUCE_TABLE")
+        return TableRequest(
+            path=env_table, source=f"PCIE_ALLREDUCE_TABLE {env_table}", what="PCIE_ALLREDUCE_TABLE"
+        )
     if not isinstance(argument, str) or argument.strip() == "":
         raise ValueError(
             f"table must be CSV text or a path to a CSV file, got {argument!r} (pass None for "
-            "PCIE_ALLREDUCE_TABLE or the embedded seed table)")
+            "PCIE_ALLREDUCE_TABLE or the embedded seed table)"
+        )
     if "\n" not in argument and "," not in argument:
         return TableRequest(path=argument, source=f"table file {argument}", what="table file")
     return TableRequest(text=argument, source="table argument")
@@ -276,7 +284,8 @@ def check_max_numel(value: Any, source: str, shown: Any = None) -> int:
         raise ValueError(
             f"{source} must be a positive multiple of {NUMEL_MULTIPLE} (elements), got "
             f"{value if shown is None else shown!r}; at most {MAX_NUMEL_LIMIT} (every workspace "
-            "holds whole 16-byte vectors and its flags carry the count in 32 bits)")
+            "holds whole 16-byte vectors and its flags carry the count in 32 bits)"
+        )
     return number
 
 
@@ -290,24 +299,33 @@ def check_timeout(value: Any, source: str, shown: Any = None) -> float:
     ValueError naming ``source`` and what it gave (``shown``: the text, for an env flag)."""
     number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1.0
     if not 0 <= number <= MAX_TIMEOUT_S:
-        raise ValueError(f"{source} must be a finite number of seconds >= 0 and at most "
-                         f"{MAX_TIMEOUT_S} (about 31 years; 0 waits forever), got "
-                         f"{value if shown is None else shown!r}")
+        raise ValueError(
+            f"{source} must be a finite number of seconds >= 0 and at most "
+            f"{MAX_TIMEOUT_S} (about 31 years; 0 waits forever), got "
+            f"{value if shown is None else shown!r}"
+        )
     return float(number)
 
 
 def _round_up(numel: int, how: str) -> Sizing:
     rounded = -(-numel // NUMEL_MULTIPLE) * NUMEL_MULTIPLE
     if rounded > MAX_NUMEL_LIMIT:
-        raise ValueError(f"{how}: more than the {MAX_NUMEL_LIMIT} elements a workspace can hold "
-                         "(flags carry the count in 32 bits); pass a smaller max_numel")
+        raise ValueError(
+            f"{how}: more than the {MAX_NUMEL_LIMIT} elements a workspace can hold "
+            "(flags carry the count in 32 bits); pass a smaller max_numel"
+        )
     if rounded != numel:
         how += f", rounded up to {rounded} (a multiple of {NUMEL_MULTIPLE})"
     return Sizing(rounded, "", how)
 
 
-def size_workspace(*, explicit: Any = None, from_env: Optional[int] = None,
-                   hidden: Any = None, max_rows: Any = None) -> Sizing:
+def size_workspace(
+    *,
+    explicit: Any = None,
+    from_env: Optional[int] = None,
+    hidden: Any = None,
+    max_rows: Any = None,
+) -> Sizing:
     """Explicit max_numel > PCIE_ALLREDUCE_MAX_NUMEL > max_rows x hidden > 64 rows x hidden
     (8192 when unknown), announced as a guess. Given sizes must follow the rule
     (check_max_numel); sizes derived from rows and hidden are rounded up to it, since a
@@ -325,8 +343,10 @@ def size_workspace(*, explicit: Any = None, from_env: Optional[int] = None,
         s = _round_up(rows * width, f"{rows} rows x {width} hidden = {rows * width} elements")
         return Sizing(s.max_numel, "hidden x max_rows", s.how)
     width = whole("hidden", hidden) if hidden is not None else DEFAULT_HIDDEN
-    s = _round_up(DEFAULT_ROWS * width, f"guessing {DEFAULT_ROWS} rows x {width} hidden = "
-                  f"{DEFAULT_ROWS * width} elements")
+    s = _round_up(
+        DEFAULT_ROWS * width,
+        f"guessing {DEFAULT_ROWS} rows x {width} hidden = {DEFAULT_ROWS * width} elements",
+    )
     return Sizing(s.max_numel, "guess", s.how, guessed=True)
 
 
@@ -339,6 +359,7 @@ def rows_covered(max_numel: int, hidden: Any, max_rows: Any) -> Optional[int]:
         raise ValueError("prepare(hidden, max_rows): give both or neither")
     hidden, max_rows = whole("hidden", hidden), whole("max_rows", max_rows)
     if hidden <= 0 or max_rows <= 0:
-        raise ValueError(f"prepare(hidden={hidden}, max_rows={max_rows}): expected positive "
-                         "whole numbers")
+        raise ValueError(
+            f"prepare(hidden={hidden}, max_rows={max_rows}): expected positive whole numbers"
+        )
     return max_numel // hidden

@@ -51,8 +51,9 @@ def count_wrong(out: torch.Tensor, world: int, numel: int, dtype_name: str, seed
 NORM_PARTIALS = 2048  # plan::kNormPartials
 
 
-def fused_in_order(total: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def fused_in_order(
+    total: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out) from an all-reduce result ``total``, operation for operation as
     plan/epilogue.h orders it: what the fused kernels must return bit for bit."""
     dtype = total.dtype
@@ -63,10 +64,10 @@ def fused_in_order(total: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     part = torch.zeros(*rf.shape[:-1], NORM_PARTIALS, dtype=torch.float32)
     for base in range(0, hidden, NORM_PARTIALS):
         n = min(NORM_PARTIALS, hidden - base)
-        part[..., :n] = part[..., :n] + sq[..., base:base + n]
+        part[..., :n] = part[..., :n] + sq[..., base : base + n]
     h = NORM_PARTIALS // 2
     while h >= 1:
-        part = part[..., :h] + part[..., h:2 * h]
+        part = part[..., :h] + part[..., h : 2 * h]
         h //= 2
     mean = part / torch.full_like(part, float(hidden))
     # fp64 sqrt rounded to fp32 is the IEEE fp32 sqrt; torch's vectorised fp32 sqrt on the CPU
@@ -77,8 +78,9 @@ def fused_in_order(total: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return y, r
 
 
-def fused_float64(xs, residual: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def fused_float64(
+    xs, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out) in float64 from every rank's x: the exact target."""
     total = torch.zeros(xs[0].shape, dtype=torch.float64)
     for x in xs:

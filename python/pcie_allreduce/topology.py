@@ -123,8 +123,13 @@ def probe_cuda_group(
     names = [e["name"] for e in everyone]
     topo = given if given is not None else probe()
     if topo is None:
-        return GroupTopology(table_key="flat", island_of=[], detail="nvidia-smi unavailable: flat",
-                             devices=names, driver=policy.driver_field(None, torch.version.cuda))
+        return GroupTopology(
+            table_key="flat",
+            island_of=[],
+            detail="nvidia-smi unavailable: flat",
+            devices=names,
+            driver=policy.driver_field(None, torch.version.cuda),
+        )
     result = _group_topology(topo, everyone, world)
     result.devices, result.driver = names, driver_version()
     return result

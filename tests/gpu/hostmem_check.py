@@ -63,8 +63,7 @@ MAX_NUMEL = 1 << 16
 SIZES = (8, 1000, 4104, 1 << 15, 1 << 16)  # elements; 1 << 16 fp32 is past the LL rows (256 KiB)
 # Flag (six staged waits per call at world 4) and LL; world 4 time-slices four processes, so
 # only the first there.
-GRAPH_TABLES = {2: ("twoshot/pull/staged", "oneshot/push/unstaged/ll"),
-                4: ("twoshot/pull/staged",)}
+GRAPH_TABLES = {2: ("twoshot/pull/staged", "oneshot/push/unstaged/ll"), 4: ("twoshot/pull/staged",)}
 GRAPH_CALLS = (("bf16", 6144), ("fp16", 1000), ("fp32", 4104))  # captured in one graph
 GRAPH_REPLAYS = 100
 SHM_DIR = "/dev/shm"
@@ -103,15 +102,15 @@ def forced_hostmem(rank: int, world: int, dev: torch.device, cls: Any) -> List[s
     """(a): every table x dtype x size on transport="hostmem"."""
     lines = []
     for index, (label, table) in enumerate(TABLES.items()):
-        with cls(None, dev, max_numel=MAX_NUMEL, table=table, timeout_s=30,
-                 transport="hostmem") as ar:
+        with cls(
+            None, dev, max_numel=MAX_NUMEL, table=table, timeout_s=30, transport="hostmem"
+        ) as ar:
             assert ar.enabled, ar.disabled_reason
             stats = ar.stats()
             assert stats["transport"] == "cuda_host", stats["transport"]
             left = shm_names(os.getpid())
             if left:  # unlinked once every rank has mapped it (retire_token)
-                lines.append(f"FAIL {label}: still in {SHM_DIR} after construction: "
-                             f"{sorted(left)}")
+                lines.append(f"FAIL {label}: still in {SHM_DIR} after construction: {sorted(left)}")
             calls = 0
             for name, dtype in DTYPES.items():
                 for numel in SIZES:
@@ -138,8 +137,9 @@ def forced_hostmem(rank: int, world: int, dev: torch.device, cls: Any) -> List[s
 
 def graph_replay(rank: int, world: int, dev: torch.device, cls: Any, label: str) -> str:
     """(b): three calls captured in one graph, replayed with new inputs, every replay checked."""
-    with cls(None, dev, max_numel=MAX_NUMEL, table=TABLES[label], timeout_s=30,
-             transport="hostmem") as ar:
+    with cls(
+        None, dev, max_numel=MAX_NUMEL, table=TABLES[label], timeout_s=30, transport="hostmem"
+    ) as ar:
         assert ar.enabled, ar.disabled_reason
         assert ar.stats()["transport"] == "cuda_host", ar.stats()["transport"]
         xs = [torch.empty(n, dtype=DTYPES[name], device=dev) for name, n in GRAPH_CALLS]
@@ -166,8 +166,10 @@ def graph_replay(rank: int, world: int, dev: torch.device, cls: Any, label: str)
             verify(ys, i)
         assert fallback_calls(ar) == 0, f"calls went to the fallback: {ar.stats()['calls']}"
         del graph
-    return (f"PASS graph {label}: {len(GRAPH_CALLS)} calls captured, {GRAPH_REPLAYS} replays "
-            "with new inputs, all checked")
+    return (
+        f"PASS graph {label}: {len(GRAPH_CALLS)} calls captured, {GRAPH_REPLAYS} replays "
+        "with new inputs, all checked"
+    )
 
 
 def automatic_switch(rank: int, world: int, dev: torch.device, cls: Any) -> List[str]:
@@ -200,8 +202,7 @@ def automatic_switch(rank: int, world: int, dev: torch.device, cls: Any) -> List
             check(out, world, 4096, "bf16", seed=300)
             assert fallback_calls(ar) == 0, f"calls went to the fallback: {ar.stats()['calls']}"
             lines.append(f"PASS automatic switch to cuda_host: {detail}")
-        with cls(None, dev, max_numel=1 << 14, table=table, timeout_s=30,
-                 transport="p2p") as ar:
+        with cls(None, dev, max_numel=1 << 14, table=table, timeout_s=30, transport="p2p") as ar:
             assert not ar.enabled, "transport p2p stayed enabled after a failed P2P check"
             reason = ar.disabled_reason or ""
             assert reason.startswith("no_p2p"), reason
@@ -227,20 +228,29 @@ def body(rank: int, world: int) -> List[str]:
     lines += automatic_switch(rank, world, dev, PcieAllReduce)
     # (e) Every communicator above is destroyed: none of our names may be left.
     left = shm_names(os.getpid())
-    lines.append(f"{'FAIL' if left else 'PASS'} {SHM_DIR} after destroy(): "
-                 f"{sorted(left) if left else 'nothing of this process left'}")
+    lines.append(
+        f"{'FAIL' if left else 'PASS'} {SHM_DIR} after destroy(): "
+        f"{sorted(left) if left else 'nothing of this process left'}"
+    )
     if world != 2:
         return lines
     # (d) Timeout: rank 1 never calls; rank 0's kernel traps and names it.
-    ar = PcieAllReduce(None, dev, max_numel=1024, timeout_s=2.0,
-                       table=TABLES["oneshot/push/staged"], transport="hostmem")
+    ar = PcieAllReduce(
+        None,
+        dev,
+        max_numel=1024,
+        timeout_s=2.0,
+        table=TABLES["oneshot/push/staged"],
+        transport="hostmem",
+    )
     assert ar.stats()["transport"] == "cuda_host", ar.stats()["transport"]
     return two_ranks.timeout_path(rank, ar, dev, lines)
 
 
 def _kill_ranks(world: int, deadline_s: float) -> None:
-    print(f"FAIL world {world}: still running after {deadline_s:.0f} s; killing its ranks",
-          flush=True)
+    print(
+        f"FAIL world {world}: still running after {deadline_s:.0f} s; killing its ranks", flush=True
+    )
     for p in multiprocessing.active_children():  # the ranks two_ranks.run started
         p.kill()
 
@@ -254,8 +264,10 @@ def run_world(world: int) -> bool:
     watchdog.daemon = True
     watchdog.start()
     try:
-        ok = two_ranks.run(body, f"hostmem check, world {world}", world=world,
-                           timeout_s=deadline) == 0
+        ok = (
+            two_ranks.run(body, f"hostmem check, world {world}", world=world, timeout_s=deadline)
+            == 0
+        )
     finally:
         watchdog.cancel()
     left = shm_names() - before
@@ -271,8 +283,10 @@ def main() -> int:
     os.environ.pop("PCIE_ALLREDUCE_TRANSPORT", None)
     try:
         fs = os.statvfs(SHM_DIR)
-        print(f"{SHM_DIR}: {fs.f_bavail * fs.f_frsize / 2**20:.0f} MiB free of "
-              f"{fs.f_blocks * fs.f_frsize / 2**20:.0f} MiB")
+        print(
+            f"{SHM_DIR}: {fs.f_bavail * fs.f_frsize / 2**20:.0f} MiB free of "
+            f"{fs.f_blocks * fs.f_frsize / 2**20:.0f} MiB"
+        )
     except OSError as error:
         print(f"{SHM_DIR}: {error}")
     results = [run_world(world) for world in (2, 4)]

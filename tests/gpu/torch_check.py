@@ -95,8 +95,10 @@ def body(rank: int, world: int) -> list[str]:
     # Reduce-scatter and all-gather (issue 25) on CUDA tensors: every tactic family, dim 0,
     # eager and under CUDA-graph replay; the reduce-scatter is its rows of the all-reduce's
     # bits, the all-gather every rank's bits; bytes after a one-chunk output stay untouched.
-    for label, table in (("flat lamport", "*,*,*,0,*,oneshot,push,0,8,256,lamport\n"),
-                         ("flat flag pull", "*,*,*,0,*,twoshot,pull,1,4,512\n")):
+    for label, table in (
+        ("flat lamport", "*,*,*,0,*,oneshot,push,0,8,256,lamport\n"),
+        ("flat flag pull", "*,*,*,0,*,twoshot,pull,1,4,512\n"),
+    ):
         with PcieAllReduce(None, dev, max_numel=1 << 17, table=table) as ar:
             checked = 0
             for name, dtype in DTYPES.items():
@@ -106,13 +108,17 @@ def body(rank: int, world: int) -> list[str]:
                     room = torch.full((rows + 1, 4096), 7, dtype=dtype, device=dev)
                     part = ar.reduce_scatter(x, out=room[:rows])
                     whole = ar.all_reduce(x)
-                    gathered = ar.all_gather(x[rows * rank:rows * (rank + 1)])
+                    gathered = ar.all_gather(x[rows * rank : rows * (rank + 1)])
                     ar.synchronize()
-                    assert torch.equal(part, whole[rows * rank:rows * (rank + 1)]), label
+                    assert torch.equal(part, whole[rows * rank : rows * (rank + 1)]), label
                     assert bool((room[rows] == 7).all()), f"{label}: wrote past its output"
-                    inputs = [rank_input(q, 2 * rows * 4096, dtype, seed=rows).view(2 * rows, 4096)
-                              for q in range(world)]
-                    expected = torch.cat([inputs[q][rows * q:rows * (q + 1)] for q in range(world)])
+                    inputs = [
+                        rank_input(q, 2 * rows * 4096, dtype, seed=rows).view(2 * rows, 4096)
+                        for q in range(world)
+                    ]
+                    expected = torch.cat(
+                        [inputs[q][rows * q : rows * (q + 1)] for q in range(world)]
+                    )
                     assert torch.equal(gathered.cpu(), expected), label
                     checked += 1
             x = torch.empty(2 * 3, 4096, dtype=torch.bfloat16, device=dev)
@@ -130,8 +136,10 @@ def body(rank: int, world: int) -> list[str]:
                 whole = ar.all_reduce(x)
                 ar.synchronize()
                 assert torch.equal(gathered, whole), f"{label}: graph replay {i}"
-            lines.append(f"PASS collectives {label}: {checked} eager checks + graph x20; "
-                         f"{ar.stats()['collectives']}")
+            lines.append(
+                f"PASS collectives {label}: {checked} eager checks + graph x20; "
+                f"{ar.stats()['collectives']}"
+            )
     # Calls that switch streams with no wait between the streams: the communicator orders each
     # call after the previous stream's calls (an event), so no two run one generation at once.
     ll_table = TABLES["oneshot/push/unstaged/ll"]
@@ -164,8 +172,9 @@ def body(rank: int, world: int) -> list[str]:
             assert "this communicator all-reduces tensors on cuda:0" in str(error), error
         lines.append(f"PASS declines: {ar.stats()['declines']}")
     # Timeout: rank 1 never calls; rank 0's kernel traps and names it (two_ranks.timeout_path).
-    ar = PcieAllReduce(None, dev, max_numel=1024, timeout_s=2.0,
-                       table=TABLES["oneshot/push/staged"])
+    ar = PcieAllReduce(
+        None, dev, max_numel=1024, timeout_s=2.0, table=TABLES["oneshot/push/staged"]
+    )
     return two_ranks.timeout_path(rank, ar, dev, lines)
 
 

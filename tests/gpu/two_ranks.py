@@ -44,8 +44,7 @@ def run(body: Body, name: str, world: int = 2, timeout_s: float = 300.0) -> int:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(body, r, world, init, tmp))
-                 for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(body, r, world, init, tmp)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -84,7 +83,9 @@ def timeout_path(rank: int, ar: Any, dev: torch.device, lines: List[str]) -> Lis
     except PcieAllReduceTimeout as e:
         took = time.monotonic() - start
         ok = e.peer == 1 and e.diagnostic.get("kind") == "timeout" and 1.5 <= took < 10.0
-        lines.append(f"{'PASS' if ok else 'FAIL'} timeout after {took:.1f} s (timeout_s 2; "
-                     f"expected peer 1, kind timeout): {type(e).__name__}: {e}")
+        lines.append(
+            f"{'PASS' if ok else 'FAIL'} timeout after {took:.1f} s (timeout_s 2; "
+            f"expected peer 1, kind timeout): {type(e).__name__}: {e}"
+        )
     finish(rank, lines)
     return lines  # not reached: finish() exits

@@ -84,9 +84,11 @@ def run_ranks(
     `allow_failures`, raises. Returns one result dict per rank ({"ok", "value"/"error"}).
     """
     results = RankResults(
-        r if isinstance(r, dict) else {"ok": False, "error": f"exit code {r}", "type": "Died",
-                                       "traceback": "", "attrs": {}}
-        for r in spawn_ranks(_entry, world, fn, args, env or {}, timeout))
+        r
+        if isinstance(r, dict)
+        else {"ok": False, "error": f"exit code {r}", "type": "Died", "traceback": "", "attrs": {}}
+        for r in spawn_ranks(_entry, world, fn, args, env or {}, timeout)
+    )
     if not allow_failures:
         fail_on_errors(results)
     return results

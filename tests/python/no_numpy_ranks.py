@@ -17,8 +17,11 @@ def rank_main(rank: int, init_file: str) -> None:
     ar = PcieAllReduce(None, "cpu", max_numel=4096)
     out = ar.all_reduce(torch.full((1024,), float(rank + 1)))
     ok = ar.enabled and out.eq(3).all().item()
-    print(f"rank {rank} no numpy: {'enabled' if ar.enabled else 'disabled'}, sum "
-          f"{'ok' if ok else 'wrong'}", flush=True)
+    print(
+        f"rank {rank} no numpy: {'enabled' if ar.enabled else 'disabled'}, sum "
+        f"{'ok' if ok else 'wrong'}",
+        flush=True,
+    )
     ar.destroy()
     dist.destroy_process_group()
 

@@ -17,8 +17,10 @@ import pytest
 from conftest import run_ranks
 
 FP = "host_shm-w2-0123456789ab"
-ROWS = ("topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads,"
-        "protocol\n*,*,*,0,*,fallback,,,,,\n")
+ROWS = (
+    "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads,"
+    "protocol\n*,*,*,0,*,fallback,,,,,\n"
+)
 
 
 def _folder(tmp_path: Path) -> Path:
@@ -77,8 +79,7 @@ def test_a_correctly_checksummed_table_of_another_user_is_not_trusted(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="playing a second user needs chown (root)")
-def test_a_folder_others_can_write_or_another_user_owns_is_refused_for_reads_and_writes(
-        tmp_path):
+def test_a_folder_others_can_write_or_another_user_owns_is_refused_for_reads_and_writes(tmp_path):
     from pcie_allreduce import files
     from pcie_allreduce.tuning import cache
 
@@ -143,9 +144,13 @@ def test_doctor_reports_a_fifo_in_the_cache_folder_and_still_gives_a_verdict(tmp
 
     folder = _folder(tmp_path)
     os.mkfifo(folder / f"{FP}.csv", 0o600)
-    done = subprocess.run([sys.executable, "-m", "pcie_allreduce", "doctor", "--json",
-                           "--no-p2p-test"], capture_output=True, text=True, timeout=100,
-                          env={**os.environ, "PCIE_ALLREDUCE_CACHE_DIR": str(folder)})
+    done = subprocess.run(
+        [sys.executable, "-m", "pcie_allreduce", "doctor", "--json", "--no-p2p-test"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PCIE_ALLREDUCE_CACHE_DIR": str(folder)},
+    )
     report = json.loads(done.stdout)
     caches = report["table"]["host_caches"]
     assert [c["path"] for c in caches] == [str(folder / f"{FP}.csv")], caches
@@ -176,6 +181,8 @@ def test_an_unusable_cache_folder_fails_the_tune_on_every_rank_at_once(tmp_path,
     blocker.write_text("not a folder\n")
     res = run_ranks(_tune_into, 2, str(blocker / "cache"), timeout=120).values()
     assert res[0]["said"] == res[1]["said"], res
-    assert res[0]["said"].startswith("rank 0 cannot lock the cache") and "measured nothing" in \
-        res[0]["said"], res
+    assert (
+        res[0]["said"].startswith("rank 0 cannot lock the cache")
+        and "measured nothing" in res[0]["said"]
+    ), res
     assert max(r["elapsed"] for r in res) < 10.0, res  # well inside the 20 s timeout

@@ -31,8 +31,10 @@ def test_topo_on_two_sockets_shows_islands_and_cross_island_traffic():
     assert rows[("oneshot", "push", True)]["max_outbound_per_stage"] == 1
     ll = [r for r in report["schedules"] if r.get("protocol") in ("ll", "lamport")]
     assert {(r["algorithm"], r["protocol"]) for r in ll} == {
-        (a, p) for a in ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
-        for p in ("ll", "lamport")}
+        (a, p)
+        for a in ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
+        for p in ("ll", "lamport")
+    }
     assert all(r["cost"]["system_fences"] == 0 and r["cost"]["peer_polls"] == 0 for r in ll)
     assert all(r["cost"]["peer_polls"] == 0 for r in report["schedules"] if r["supported"])
 
@@ -63,9 +65,23 @@ def test_topo_reports_malformed_text_with_its_line(tmp_path):
 def test_bench_on_the_host_transport_verifies_and_prints_the_table(tmp_path):
     out = tmp_path / "rows.json"
     done = run_cli(
-        "bench", "--transport", "host", "--world", "2", "--dtype", "bf16",
-        "--min-bytes", "1K", "--max-bytes", "16K", "--step-factor", "4", "--iters", "20",
-        "--json", str(out),
+        "bench",
+        "--transport",
+        "host",
+        "--world",
+        "2",
+        "--dtype",
+        "bf16",
+        "--min-bytes",
+        "1K",
+        "--max-bytes",
+        "16K",
+        "--step-factor",
+        "4",
+        "--iters",
+        "20",
+        "--json",
+        str(out),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "size(B)" in done.stdout and "speedup" in done.stdout
@@ -74,8 +90,10 @@ def test_bench_on_the_host_transport_verifies_and_prints_the_table(tmp_path):
     assert all(r["wrong"] == 0 for r in result["rows"])
     assert all(r["fallback_us"] > 0 and r["time_us"] > 0 for r in result["rows"])
     assert "verified" in done.stdout
-    assert "# communicator transport: host_shm (CPU tensors: every workspace in POSIX shared " \
+    assert (
+        "# communicator transport: host_shm (CPU tensors: every workspace in POSIX shared "
         "memory)" in done.stdout
+    )
 
 
 def test_bench_refuses_cuda_without_gpus_or_bad_arguments():
@@ -115,7 +133,8 @@ def test_tune_writes_the_cache_and_a_second_run_measures_nothing(tmp_path):
     assert f"# measured {data['measured']} (bucket, tactic) pairs" in first.stdout
     # Every bucket's row, the incumbent and the chosen tactic with their times.
     assert [(c["dtype"], c["bytes"]) for c in data["choices"]] == [
-        (d, b) for d in ("bf16", "fp16", "fp32") for b in (1024, 2048, 4096)]
+        (d, b) for d in ("bf16", "fp16", "fp32") for b in (1024, 2048, 4096)
+    ]
     for c in data["choices"]:
         assert f"{c['bytes']:>9}" in first.stdout and c["winner"] in first.stdout
     second = run_cli_env(env, *args)
@@ -132,7 +151,10 @@ def test_tune_refusals_and_bad_arguments_exit_2_saying_why(tmp_path):
     for budget in ("0", "inf", "nan"):  # inf once passed the check and failed both ranks (exit 1)
         done = run_cli("tune", "--transport", "host", "--budget", budget)
         assert done.returncode == 2 and "--budget must be a positive, finite" in done.stderr, (
-            budget, done.returncode, done.stderr)
+            budget,
+            done.returncode,
+            done.stderr,
+        )
     done = run_cli("tune", "--transport", "host", "--world", "1")
     assert done.returncode == 2 and "2..8" in done.stderr
 
@@ -144,7 +166,9 @@ def test_doctor_gives_a_verdict_here_and_on_a_recorded_nvlink_host():
     assert here.returncode == (0 if report["ok"] else 1) and isinstance(report["verdict"], str)
     nvlink = run_cli("doctor", "--json", "--fixture", str(fixtures / "dgx_nvlink_8gpu"))
     report = json.loads(nvlink.stdout)
-    assert nvlink.returncode == 1 and report["ok"] is False and "nvlink" in report["verdict"].lower()
+    assert (
+        nvlink.returncode == 1 and report["ok"] is False and "nvlink" in report["verdict"].lower()
+    )
     text = run_cli("doctor", "--fixture", str(fixtures / "two_socket_8gpu"), "--no-p2p-test")
     assert text.returncode == 0 and text.stdout.strip().splitlines()[-1].startswith("verdict:")
 
@@ -157,8 +181,9 @@ def test_doctor_gives_a_verdict_when_nvidia_smi_prints_bytes_that_are_not_utf8(t
     fake = tmp_path / "nvidia-smi"
     fake.write_bytes(b"#!/bin/sh\nprintf 'GPU0\\377\\376 X\\n'\n")
     fake.chmod(0o755)
-    done = run_cli_env({"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}, "doctor", "--json",
-                       "--no-p2p-test")
+    done = run_cli_env(
+        {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}, "doctor", "--json", "--no-p2p-test"
+    )
     assert done.returncode in (0, 1), done.stderr
     report = json.loads(done.stdout)
     assert isinstance(report["verdict"], str) and report["verdict"], report

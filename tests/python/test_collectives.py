@@ -16,7 +16,9 @@ from pcie_allreduce.testing import DTYPES, rank_input
 
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
 SHAPES = [(d, st, "flag") for d in ("push", "pull") for st in (True, False)] + [
-    ("push", False, "ll"), ("push", False, "lamport")]
+    ("push", False, "ll"),
+    ("push", False, "lamport"),
+]
 TWO_SHOT = {"oneshot": "twoshot", "island_oneshot": "island_twoshot"}
 # torch 2.14 renamed the tensor forms (the old names warn).
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -57,14 +59,17 @@ def _every_tactic(rank, world, rows, hidden):
         for direction, staged, protocol in SHAPES:
             blocks = 1 if staged else 2
             table = one_row(algorithm, direction, staged, blocks, protocol)
-            expected_label = (f"{TWO_SHOT.get(algorithm, algorithm)}/{direction}/"
-                              f"{'staged' if staged else 'unstaged'}/{protocol}/b{blocks}/t64")
-            with PcieAllReduce(None, "cpu", max_numel=message, table=table,
-                               islands=islands) as ar:
+            expected_label = (
+                f"{TWO_SHOT.get(algorithm, algorithm)}/{direction}/"
+                f"{'staged' if staged else 'unstaged'}/{protocol}/b{blocks}/t64"
+            )
+            with PcieAllReduce(None, "cpu", max_numel=message, table=table, islands=islands) as ar:
                 for dtype_name, dtype in DTYPES.items():
                     label = f"{expected_label} {dtype_name}"
-                    xs = [rank_input(r, message, dtype, seed=3).view(world * rows, hidden)
-                          for r in range(world)]
+                    xs = [
+                        rank_input(r, message, dtype, seed=3).view(world * rows, hidden)
+                        for r in range(world)
+                    ]
                     x = xs[rank]
                     before = x.clone()
                     assert ar.collective_decline_reason(x, "reduce_scatter") is None, label
@@ -85,16 +90,23 @@ def _every_tactic(rank, world, rows, hidden):
                     assert ar.chosen_collective_tactic(piece, "all_gather") == expected_label
                     gathered = ar.all_gather(piece)
                     assert gathered.shape == (world * rows, hidden), label
-                    expected = torch.cat([random_bits(r, rows * hidden, dtype, 5).view(rows, hidden)
-                                          for r in range(world)])
+                    expected = torch.cat(
+                        [
+                            random_bits(r, rows * hidden, dtype, 5).view(rows, hidden)
+                            for r in range(world)
+                        ]
+                    )
                     assert torch.equal(gathered.view(torch.uint8), expected.view(torch.uint8)), (
-                        f"{label}: all-gather changed bits")
+                        f"{label}: all-gather changed bits"
+                    )
                     checked += 1
                 stats = ar.stats()
                 assert stats["collectives"]["reduce_scatter"]["calls"] == {
-                    expected_label: 2 * len(DTYPES)}, stats
+                    expected_label: 2 * len(DTYPES)
+                }, stats
                 assert stats["collectives"]["all_gather"]["calls"] == {
-                    expected_label: len(DTYPES)}, stats
+                    expected_label: len(DTYPES)
+                }, stats
                 assert stats["collectives"]["all_gather"]["declines"] == {}, stats
     return checked
 
@@ -152,11 +164,18 @@ def _declines(rank, world):
 def test_declined_collectives_say_why_and_run_the_groups_own(clean_shm):
     for reasons, collectives, staged in run_ranks(_declines, 2, timeout=300).values():
         assert reasons == {
-            "rs_chunk": "not_16_byte_multiple", "ag_chunk": "not_16_byte_multiple",
-            "rs_too_large": "too_large", "ag_too_large": "too_large",
-            "rs_dtype": "dtype", "ag_dtype": "dtype"}, reasons
+            "rs_chunk": "not_16_byte_multiple",
+            "ag_chunk": "not_16_byte_multiple",
+            "rs_too_large": "too_large",
+            "ag_too_large": "too_large",
+            "rs_dtype": "dtype",
+            "ag_dtype": "dtype",
+        }, reasons
         assert collectives["reduce_scatter"]["declines"] == {
-            "not_16_byte_multiple": 1, "too_large": 1, "dtype": 1}, collectives
+            "not_16_byte_multiple": 1,
+            "too_large": 1,
+            "dtype": 1,
+        }, collectives
         assert collectives["reduce_scatter"]["calls"]["fallback"] == 3, collectives
         assert sum(collectives["reduce_scatter"]["calls"].values()) == 4, collectives
         assert collectives["all_gather"]["calls"] == {"fallback": 3}, collectives
@@ -185,7 +204,7 @@ def _bad_arguments(rank, world):
             except (ValueError, RuntimeError) as e:
                 errors[name] = f"{type(e).__name__}: {e}"
         # Nothing above reached a peer: the next calls still pair up.
-        assert torch.equal(ar.all_gather(x)[rank * 4:(rank + 1) * 4], x)
+        assert torch.equal(ar.all_gather(x)[rank * 4 : (rank + 1) * 4], x)
         assert ar.stats()["collectives"]["all_gather"]["calls"] != {}
     return errors
 
@@ -208,8 +227,7 @@ def _opcheck(rank, world):
     with PcieAllReduce(None, "cpu", max_numel=4096) as ar:
         x = rank_input(rank, 4 * 64, torch.float32).view(4, 64)
         torch.library.opcheck(ops.reduce_scatter.default, (x, world, ar.handle))
-        torch.library.opcheck(ops.reduce_scatter_into.default,
-                              (x, ar.handle, torch.empty(2, 64)))
+        torch.library.opcheck(ops.reduce_scatter_into.default, (x, ar.handle, torch.empty(2, 64)))
         torch.library.opcheck(ops.all_gather.default, (x, world, ar.handle))
         torch.library.opcheck(ops.all_gather_into.default, (x, ar.handle, torch.empty(8, 64)))
 
@@ -236,9 +254,11 @@ def _mixed_collectives(rank, world, protocol, mine, theirs):
     table = one_row("twoshot", "push", False, 1, protocol)
     ar = PcieAllReduce(None, "cpu", max_numel=4096, table=table, timeout_s=2.0)
     x = rank_input(rank, 4096, torch.bfloat16).view(8, 512)
-    calls = {"all_reduce": lambda: ar.all_reduce(x),
-             "reduce_scatter": lambda: ar.reduce_scatter(x),
-             "all_gather": lambda: ar.all_gather(x[:4])}
+    calls = {
+        "all_reduce": lambda: ar.all_reduce(x),
+        "reduce_scatter": lambda: ar.reduce_scatter(x),
+        "all_gather": lambda: ar.all_gather(x[:4]),
+    }
     start = time.monotonic()
     try:
         calls[mine if rank == 0 else theirs]()
@@ -249,11 +269,14 @@ def _mixed_collectives(rank, world, protocol, mine, theirs):
     return {"elapsed": time.monotonic() - start, "message": "no error"}
 
 
-@pytest.mark.parametrize("protocol,mine,theirs", [
-    ("flag", "reduce_scatter", "all_reduce"),
-    ("ll", "all_gather", "all_reduce"),
-    ("lamport", "reduce_scatter", "all_gather"),
-])
+@pytest.mark.parametrize(
+    "protocol,mine,theirs",
+    [
+        ("flag", "reduce_scatter", "all_reduce"),
+        ("ll", "all_gather", "all_reduce"),
+        ("lamport", "reduce_scatter", "all_gather"),
+    ],
+)
 def test_ranks_in_different_collectives_fail_naming_each_other(protocol, mine, theirs, clean_shm):
     """Same message, same tactic, same generation: without their own signatures the steps of a
     reduce-scatter and an all-reduce would pair up and return garbage."""
@@ -261,24 +284,29 @@ def test_ranks_in_different_collectives_fail_naming_each_other(protocol, mine, t
     for rank, res in enumerate(results):
         assert res["message"] != "no error", rank
         assert res["elapsed"] < 10
-        assert res["diag"]["kind"] in ("mismatch", "ll_mismatch", "timeout", "ll_timeout"), (
-            res["diag"])
+        assert res["diag"]["kind"] in ("mismatch", "ll_mismatch", "timeout", "ll_timeout"), res[
+            "diag"
+        ]
         assert res["diag"]["peer"] == 1 - rank, res["diag"]
 
 
 def _table_rows(rank, world):
     from pcie_allreduce import PcieAllReduce
 
-    table = ("*,*,*,0,*,reduce_scatter:twoshot,pull,1,1,64\n"
-             "*,*,*,0,*,all_gather:fallback\n"
-             "*,*,*,0,*,oneshot,push,0,2,64,ll\n")
+    table = (
+        "*,*,*,0,*,reduce_scatter:twoshot,pull,1,1,64\n"
+        "*,*,*,0,*,all_gather:fallback\n"
+        "*,*,*,0,*,oneshot,push,0,2,64,ll\n"
+    )
     with PcieAllReduce(None, "cpu", max_numel=4096, table=table) as ar:
         x = rank_input(rank, 8 * 256, torch.bfloat16, seed=4).view(8, 256)
-        found = {c: ar.chosen_collective_tactic(x if c != "all_gather" else x[:4], c)
-                 for c in ar.COLLECTIVES}
+        found = {
+            c: ar.chosen_collective_tactic(x if c != "all_gather" else x[:4], c)
+            for c in ar.COLLECTIVES
+        }
         reason = ar.collective_decline_reason(x[:4], "all_gather")
         got = ar.reduce_scatter(x)
-        assert torch.equal(got, ar.all_reduce(x)[rank * 4:(rank + 1) * 4])
+        assert torch.equal(got, ar.all_reduce(x)[rank * 4 : (rank + 1) * 4])
         gathered = ar.all_gather(x[:4])
         ref = torch.empty(8, 256, dtype=torch.bfloat16)
         ALL_GATHER(ref, x[:4].contiguous())
@@ -290,9 +318,11 @@ def _table_rows(rank, world):
 
 def test_table_rows_of_a_collective_decide_it_and_only_it(clean_shm):
     for found, reason, collectives, programs in run_ranks(_table_rows, 2, timeout=200).values():
-        assert found == {"all_reduce": "oneshot/push/unstaged/ll/b2/t64",
-                         "reduce_scatter": "twoshot/pull/staged/flag/b1/t64",
-                         "all_gather": "fallback"}, found
+        assert found == {
+            "all_reduce": "oneshot/push/unstaged/ll/b2/t64",
+            "reduce_scatter": "twoshot/pull/staged/flag/b1/t64",
+            "all_gather": "fallback",
+        }, found
         assert reason == "table"
         assert collectives["all_gather"] == {"calls": {"fallback": 1}, "declines": {"table": 1}}
         assert collectives["reduce_scatter"]["calls"] == {"twoshot/pull/staged/flag/b1/t64": 1}

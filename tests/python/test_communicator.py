@@ -17,8 +17,9 @@ from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
 
 
-def one_row(algorithm: str, direction: str, staged: bool, blocks: int = 1,
-            protocol: str = "flag") -> str:
+def one_row(
+    algorithm: str, direction: str, staged: bool, blocks: int = 1, protocol: str = "flag"
+) -> str:
     return f"*,*,*,0,*,{algorithm},{direction},{int(staged)},{blocks},64,{protocol}\n"
 
 
@@ -41,7 +42,8 @@ def islands_for(world: int):
 # ---------------------------------------------------------------- every tactic, every dtype
 # (direction, staged, protocol): LL and lamport (flag-in-data) are push-only and unstaged.
 TACTIC_SHAPES = [(d, st, "flag") for d in ("push", "pull") for st in (True, False)] + [
-    ("push", False, "ll"), ("push", False, "lamport")
+    ("push", False, "ll"),
+    ("push", False, "lamport"),
 ]
 
 
@@ -57,8 +59,9 @@ def _every_tactic(rank, world, sizes, dtypes):
         for direction, staged, protocol in TACTIC_SHAPES:
             blocks = 1 if staged else 2  # unstaged runs two slices: per-block flags
             table = one_row(algorithm, direction, staged, blocks, protocol)
-            with PcieAllReduce(None, "cpu", max_numel=max_numel, table=table,
-                               islands=islands) as ar:
+            with PcieAllReduce(
+                None, "cpu", max_numel=max_numel, table=table, islands=islands
+            ) as ar:
                 for dtype_name in dtypes:
                     for numel in sizes:
                         x = rank_input(rank, numel, DTYPES[dtype_name], seed=3)
@@ -205,9 +208,10 @@ def _layouts(rank, world):
         buf = torch.zeros(3 * numel + 8)
         data = rank_input(rank, numel, torch.float32, seed=5)
         layouts = {  # rank 0: plain tensors; rank 1: offset (misaligned), strided, transposed
-            "offset": data.clone() if rank == 0 else buf.clone()[1:numel + 1].copy_(data),
+            "offset": data.clone() if rank == 0 else buf.clone()[1 : numel + 1].copy_(data),
             "strided": data.clone() if rank == 0 else buf.clone()[::3][:numel].copy_(data),
-            "transposed": data.clone().reshape(32, 32) if rank == 0
+            "transposed": data.clone().reshape(32, 32)
+            if rank == 0
             else data.reshape(32, 32).t().contiguous().t(),
         }
         for name, x in layouts.items():
@@ -293,8 +297,8 @@ def _table_fallback(rank, world):
 
     table = "*,*,*,0,1024,oneshot,push,0,1,64\n*,*,*,0,*,fallback,,,,\n"
     with PcieAllReduce(None, "cpu", max_numel=4096, table=table) as ar:
-        small = rank_input(rank, 128, torch.float32)   # 512 bytes: kernels
-        big = rank_input(rank, 1024, torch.float32)    # 4096 bytes: table says fallback
+        small = rank_input(rank, 128, torch.float32)  # 512 bytes: kernels
+        big = rank_input(rank, 1024, torch.float32)  # 4096 bytes: table says fallback
         assert ar.decline_reason(small) is None
         assert ar.decline_reason(big) == "table"
         assert ar.supports(big) is None  # can, but should not
@@ -349,8 +353,9 @@ def test_ranks_that_disagree_disable_the_backend_and_say_who_and_what(clean_shm)
 def _mismatched_shapes(rank, world):
     from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
 
-    ar = PcieAllReduce(None, "cpu", max_numel=4096, table=one_row("oneshot", "push", True),
-                       timeout_s=2.0)
+    ar = PcieAllReduce(
+        None, "cpu", max_numel=4096, table=one_row("oneshot", "push", True), timeout_s=2.0
+    )
     x = rank_input(rank, 1024 if rank == 0 else 2048, torch.float32)
     start = time.monotonic()
     try:
@@ -374,8 +379,9 @@ def test_mismatched_shapes_fail_with_a_clear_error_not_a_hang(clean_shm):
 def _killed_peer(rank, world):
     from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
 
-    ar = PcieAllReduce(None, "cpu", max_numel=4096, table=one_row("twoshot", "push", True),
-                       timeout_s=3.0)
+    ar = PcieAllReduce(
+        None, "cpu", max_numel=4096, table=one_row("twoshot", "push", True), timeout_s=3.0
+    )
     try:
         for i in range(6):
             if rank == 2 and i == 3:
@@ -384,8 +390,12 @@ def _killed_peer(rank, world):
             ar.all_reduce(rank_input(rank, 4096, torch.float32))
         return {"message": "no error"}
     except PcieAllReduceTimeout as e:
-        return {"elapsed": time.monotonic() - start, "message": str(e), "peer": e.peer,
-                "diag": e.diagnostic}
+        return {
+            "elapsed": time.monotonic() - start,
+            "message": str(e),
+            "peer": e.peer,
+            "diag": e.diagnostic,
+        }
     finally:
         ar.destroy()
 
@@ -417,8 +427,13 @@ def _wrap(rank, world):
     start = 2**32 - 5
     checked = 0
     for algorithm in ("oneshot", "twoshot"):
-        with PcieAllReduce(None, "cpu", max_numel=512, table=one_row(algorithm, "pull", True, 3),
-                           initial_generation=start) as ar:
+        with PcieAllReduce(
+            None,
+            "cpu",
+            max_numel=512,
+            table=one_row(algorithm, "pull", True, 3),
+            initial_generation=start,
+        ) as ar:
             for i in range(12):  # generations 2^32-4 .. 2^32+7: across the wrap
                 numel = 64 * (1 + i % 4)
                 out = ar.all_reduce(rank_input(rank, numel, torch.float32, seed=i))

@@ -16,7 +16,7 @@ def _special_inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Random values with NaNs, infinities and subnormals mixed in, different per rank."""
     g = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(numel, generator=g) * torch.exp2(torch.randint(-20, 20, (numel,), generator=g))
-    x[3 + rank::89] = float("inf")
+    x[3 + rank :: 89] = float("inf")
     x[5::83] = -float("inf")
     x[7::71] = torch.finfo(dtype).tiny / 4  # subnormal in dtype
     x[rank::97] = float("nan")
@@ -28,8 +28,11 @@ def _results(rank, world, sizes):
 
     out = {}
     with PcieAllReduce(None, "cpu", max_numel=max(sizes)) as ar:
-        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
-                            ("fp32", torch.float32)):
+        for name, dtype in (
+            ("bf16", torch.bfloat16),
+            ("fp16", torch.float16),
+            ("fp32", torch.float32),
+        ):
             for numel in sizes:
                 x = _special_inputs(rank, numel, dtype)
                 y = ar.all_reduce(x)
@@ -68,8 +71,11 @@ def _gil(rank, world):
 
     x = rank_input(rank, 4096, torch.float32)
     out = torch.empty_like(x)
-    calls = {"in_place": lambda: ar.all_reduce_(x), "out": lambda: ar.all_reduce(x, out=out),
-             "new": lambda: ar.all_reduce(x)}
+    calls = {
+        "in_place": lambda: ar.all_reduce_(x),
+        "out": lambda: ar.all_reduce(x, out=out),
+        "new": lambda: ar.all_reduce(x),
+    }
     seen = {}
     with PcieAllReduce(None, "cpu", max_numel=4096, timeout_s=20) as ar:
         ar.all_reduce_(x.clone())  # connected and warm

@@ -18,8 +18,15 @@ import torch
 
 from pcie_allreduce import _C, plan, policy
 from pcie_allreduce.tools import doctor
-from pcie_allreduce.tools.doctor import (host_transport, inventory, iommu, p2p, system, tables,
-                                         verdict)
+from pcie_allreduce.tools.doctor import (
+    host_transport,
+    inventory,
+    iommu,
+    p2p,
+    system,
+    tables,
+    verdict,
+)
 from pcie_allreduce.topology import host_devices
 from pcie_allreduce.tuning import cache
 
@@ -133,8 +140,9 @@ def test_failing_p2p_pairs_move_to_host_memory_in_auto_mode(capsys):
     assert report["p2p"]["status"] == "failed"  # the P2P section still names the pairs
     assert sorted(report["p2p"]["failing"]) == sorted(recorded)
     verdict = report["verdict"]
-    assert verdict.startswith("pcie_allreduce can run here over shared pinned host memory "
-                              "(transport cuda_host)")
+    assert verdict.startswith(
+        "pcie_allreduce can run here over shared pinned host memory (transport cuda_host)"
+    )
     for writer, reader in recorded:
         assert f"GPU{writer} -> GPU{reader}" in verdict
         assert f"GPU{writer} -> GPU{reader}" in report["transport"]["detail"]
@@ -168,7 +176,8 @@ def test_no_gpu_fixture_reports_the_recorded_host_transport(capsys, tmp_path):
 
     broken = copy_fixture("no_gpu", tmp_path)
     (broken / "host_transport.json").write_text(
-        json.dumps({"ok": False, "detail": "shm_open: Permission denied"}))
+        json.dumps({"ok": False, "detail": "shm_open: Permission denied"})
+    )
     code, report = run_json(capsys, "--fixture", str(broken))
     assert code == 1 and report["ok"] is False
     assert "Permission denied" in report["verdict"] and "no GPU found" in report["verdict"]
@@ -177,8 +186,15 @@ def test_no_gpu_fixture_reports_the_recorded_host_transport(capsys, tmp_path):
 def test_text_mode_prints_sections_and_the_verdict_last(capsys, tmp_path):
     code, out, _ = run_doctor(capsys, "--fixture", str(FIXTURES / "p2p_blocked_4gpu"))
     assert code == 0
-    for heading in ("GPUs (nvidia-smi", "Topology", "P2P write-and-verify", "Transport",
-                    "IOMMU / ACS", "Tuning table", "Tactics (world 4)"):
+    for heading in (
+        "GPUs (nvidia-smi",
+        "Topology",
+        "P2P write-and-verify",
+        "Transport",
+        "IOMMU / ACS",
+        "Tuning table",
+        "Tactics (world 4)",
+    ):
         assert heading in out
     assert "NVIDIA L40S" in out
     assert "\nTransport\n  cuda_host (mode auto): P2P failed on GPU0 -> GPU2" in out
@@ -186,7 +202,8 @@ def test_text_mode_prints_sections_and_the_verdict_last(capsys, tmp_path):
     assert last.startswith("verdict: pcie_allreduce can run here over shared pinned host memory")
 
     code, out, _ = run_doctor(
-        capsys, "--fixture", str(fixture_with_transport("p2p_blocked_4gpu", tmp_path, "p2p")))
+        capsys, "--fixture", str(fixture_with_transport("p2p_blocked_4gpu", tmp_path, "p2p"))
+    )
     assert code == 1
     assert "\nTransport\n  cuda_ipc (mode cuda_ipc): P2P failed on" in out
     assert out.rstrip("\n").splitlines()[-1].startswith("verdict: pcie_allreduce cannot run here")
@@ -201,8 +218,10 @@ def test_forced_host_memory_uses_cuda_host_even_where_p2p_works(capsys, tmp_path
     assert report["transport"]["mode"] == "cuda_host"
     assert "forced" in report["transport"]["detail"]
     verdict = report["verdict"]
-    assert "transport cuda_host" in verdict and "forced by PCIE_ALLREDUCE_TRANSPORT=cuda_host" \
-        in verdict
+    assert (
+        "transport cuda_host" in verdict
+        and "forced by PCIE_ALLREDUCE_TRANSPORT=cuda_host" in verdict
+    )
     assert "slower per call than P2P" in verdict and "island_twoshot" in verdict
     assert report["table"]["gpu_cache"]["fingerprint"].startswith("cuda_host-w8-")
 
@@ -240,7 +259,8 @@ def test_the_live_system_reads_the_transport_from_the_environment(monkeypatch):
 
 
 def test_fixture_without_p2p_record_is_not_tested_and_no_p2p_test_flag_is_accepted(
-        capsys, tmp_path):
+    capsys, tmp_path
+):
     fixture = copy_fixture("two_socket_8gpu", tmp_path)
     (fixture / "p2p.json").unlink()
     for argv in ([], ["--no-p2p-test"]):
@@ -257,10 +277,10 @@ def test_topology_fallback_to_nvidia_smi_numa_column(capsys, tmp_path):
     assert [g["numa_node"] for g in report["gpus"]["devices"]] == [0] * 4 + [1] * 4
 
 
-@pytest.mark.parametrize("corpus_file", ["uneven_3_5_8gpu.txt", "switch_pairs_8gpu.txt",
-                                         "single_socket_2gpu.txt"])
-def test_other_recorded_topologies_agree_with_the_topology_object(capsys, tmp_path,
-                                                                    corpus_file):
+@pytest.mark.parametrize(
+    "corpus_file", ["uneven_3_5_8gpu.txt", "switch_pairs_8gpu.txt", "single_socket_2gpu.txt"]
+)
+def test_other_recorded_topologies_agree_with_the_topology_object(capsys, tmp_path, corpus_file):
     text = (CORPUS / corpus_file).read_text()
     topo = _C.Topology.from_nvidia_smi(text)
     fixture = tmp_path / "host"
@@ -272,8 +292,7 @@ def test_other_recorded_topologies_agree_with_the_topology_object(capsys, tmp_pa
     assert report["topology"]["table_key"] == topo.table_key()
     assert report["topology"]["islands"] == [list(i) for i in topo.islands()]
     island_of = list(topo.island_of()) if len(topo.islands()) > 1 else []
-    expect = [a for a in plan.ALGORITHMS
-              if _C.why_unsupported(a, topo.world, island_of) is None]
+    expect = [a for a in plan.ALGORITHMS if _C.why_unsupported(a, topo.world, island_of) is None]
     assert report["tactics"]["available"] == expect
     assert report["gpus"]["problems"]  # no query_gpu.csv: names unknown, said so
 
@@ -290,8 +309,10 @@ def test_unparsable_topology_blocks_and_is_not_p2p_tested(capsys, tmp_path):
 
 
 def test_more_than_eight_gpus_can_run_in_groups_of_eight(capsys, tmp_path):
-    classes = [["X" if a == b else ("NODE" if a // 8 == b // 8 else "SYS") for b in range(16)]
-               for a in range(16)]
+    classes = [
+        ["X" if a == b else ("NODE" if a // 8 == b // 8 else "SYS") for b in range(16)]
+        for a in range(16)
+    ]
     fixture = tmp_path / "host"
     fixture.mkdir()
     (fixture / "nvidia_smi_topo.txt").write_text(inventory.topo_text_from_classes(classes))
@@ -313,13 +334,16 @@ def test_environment_notes_and_untested_host_transport(capsys, tmp_path):
     assert code == 1 and report["host_transport"]["status"] == "not_tested"
 
 
-@pytest.mark.parametrize("setup, message", [
-    (None, "is not a directory"),
-    ("empty", "none of the recorded files"),
-    ("bad_json", "p2p.json"),
-    ("bad_pairs", "'failing' must list"),
-    ("bad_env", "KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (None, "is not a directory"),
+        ("empty", "none of the recorded files"),
+        ("bad_json", "p2p.json"),
+        ("bad_pairs", "'failing' must list"),
+        ("bad_env", "KEY=VALUE"),
+    ],
+)
 def test_bad_fixture_directory_is_a_usage_error(capsys, tmp_path, setup, message):
     fixture = tmp_path / "missing"
     if setup is not None:
@@ -342,8 +366,10 @@ def test_bad_fixture_directory_is_a_usage_error(capsys, tmp_path, setup, message
 
 
 def write_valid_cache(path: Path, fp: str, fields: Dict[str, Any]) -> None:
-    rows = "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads\n" \
+    rows = (
+        "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads\n"
         "*,*,*,0,*,fallback,,,,\n"
+    )
     cache.write_cache(path, fp, fields, rows, measured=1)
 
 
@@ -370,8 +396,9 @@ def test_host_cache_report_tells_valid_foreign_and_corrupt(private_cache):
     assert "checksum" in next(c["problem"] for c in table["host_caches"] if c["world"] == 4)
 
 
-@pytest.mark.parametrize("name, transport", [("two_socket_8gpu", "hostmem"),
-                                             ("p2p_blocked_4gpu", "auto")])
+@pytest.mark.parametrize(
+    "name, transport", [("two_socket_8gpu", "hostmem"), ("p2p_blocked_4gpu", "auto")]
+)
 def test_gpu_cache_on_host_memory_is_the_cuda_host_one(capsys, tmp_path, name, transport):
     """Where the communicator would run on host memory (forced, or P2P failed in auto mode),
     the doctor reports the cache file it reads: transport cuda_host, table key hostmem."""
@@ -381,12 +408,22 @@ def test_gpu_cache_on_host_memory_is_the_cuda_host_one(capsys, tmp_path, name, t
     driver = f"driver {lines[0].split(', ')[-1]}, cuda {torch.version.cuda}"
     topo = _C.Topology.from_nvidia_smi((fixture / "nvidia_smi_topo.txt").read_text())
     island_of = list(topo.island_of()) if len(topo.islands()) > 1 else []
-    fields = policy.fingerprint_fields("cuda_host", topo.world, "hostmem", island_of, names,
-                                       driver, topo.subset(list(range(topo.world))).fingerprint())
+    fields = policy.fingerprint_fields(
+        "cuda_host",
+        topo.world,
+        "hostmem",
+        island_of,
+        names,
+        driver,
+        topo.subset(list(range(topo.world))).fingerprint(),
+    )
     fp = policy.fingerprint(fields)
     _, before = run_json(capsys, "--fixture", str(fixture))
     assert before["table"]["gpu_cache"] == {
-        "fingerprint": fp, "path": str(fixture / "cache" / f"{fp}.csv"), "status": "missing"}
+        "fingerprint": fp,
+        "path": str(fixture / "cache" / f"{fp}.csv"),
+        "status": "missing",
+    }
 
     write_valid_cache(fixture / "cache" / f"{fp}.csv", fp, fields)
     _, after = run_json(capsys, "--fixture", str(fixture))
@@ -402,12 +439,16 @@ def test_gpu_cache_for_this_host_is_found_by_its_fingerprint(capsys, tmp_path):
     # The communicator's links field: its group's subset of the host topology.
     topo = _C.Topology.from_nvidia_smi((fixture / "nvidia_smi_topo.txt").read_text())
     links = topo.subset(list(range(8))).fingerprint()
-    fields = policy.fingerprint_fields("cuda", 8, "islands-2x4", [0] * 4 + [1] * 4, names, driver,
-                                       links)
+    fields = policy.fingerprint_fields(
+        "cuda", 8, "islands-2x4", [0] * 4 + [1] * 4, names, driver, links
+    )
     fp = policy.fingerprint(fields)
     _, before = run_json(capsys, "--fixture", str(fixture))
     assert before["table"]["gpu_cache"] == {
-        "fingerprint": fp, "path": str(fixture / "cache" / f"{fp}.csv"), "status": "missing"}
+        "fingerprint": fp,
+        "path": str(fixture / "cache" / f"{fp}.csv"),
+        "status": "missing",
+    }
     assert before["table"]["in_use"].startswith("embedded seed table")
 
     write_valid_cache(fixture / "cache" / f"{fp}.csv", fp, fields)
@@ -445,18 +486,26 @@ class RunnableFixture(system.FixtureSystem):
 def no_p2p_reason(pairs: List[tuple[int, int]]) -> str:
     """The disabled_reason a communicator reports after a failed write-and-verify."""
     shown = ", ".join(f"rank {s} -> rank {d}" for s, d in pairs[:8])
-    return (f"no_p2p: peer writes or reads did not arrive intact ({shown}); check the IOMMU/ACS "
-            "settings of the PCIe path between those GPUs")
+    return (
+        f"no_p2p: peer writes or reads did not arrive intact ({shown}); check the IOMMU/ACS "
+        "settings of the PCIe path between those GPUs"
+    )
 
 
-def fake_runner(result: Optional[Dict[str, Any]], calls: List[int], returncode: int = 0,
-                timed_out: bool = False, noise: str = "") -> p2p.P2PRunner:
+def fake_runner(
+    result: Optional[Dict[str, Any]],
+    calls: List[int],
+    returncode: int = 0,
+    timed_out: bool = False,
+    noise: str = "",
+) -> p2p.P2PRunner:
     def runner(world: int, timeout_s: float) -> system.RunResult:
         calls.append(world)
         out = noise
         if result is not None:
             out += p2p.P2P_RESULT_TAG + json.dumps(result) + "\n"
         return system.RunResult(None if timed_out else returncode, out, timed_out)
+
     return runner
 
 
@@ -473,8 +522,9 @@ def test_p2p_failures_are_parsed_per_pair_and_cached(tmp_path):
     system, inv = p2p_host(tmp_path)
     broken = [(0, 4), (4, 0), (1, 5)]
     calls: List[int] = []
-    runner = fake_runner({"enabled": False, "reason": no_p2p_reason(broken)}, calls,
-                         noise="warming up\n")
+    runner = fake_runner(
+        {"enabled": False, "reason": no_p2p_reason(broken)}, calls, noise="warming up\n"
+    )
     first = p2p.check_p2p(system, inv, skip=False, runner=runner)
     assert calls == [8] and first["source"] == "test"
     assert first["status"] == "failed"
@@ -491,8 +541,7 @@ def test_p2p_failures_are_parsed_per_pair_and_cached(tmp_path):
     tactics = verdict.tactic_report(8, inv.island_of)
     p2p_only = verdict.transport_report(inv, again, "p2p")
     ok, text, declines = verdict.gpu_verdict(inv, again, table, tactics, p2p_only)
-    assert ok is False and "GPU1 -> GPU5" in text and [d["reason"] for d in declines] == [
-        "no_p2p"]
+    assert ok is False and "GPU1 -> GPU5" in text and [d["reason"] for d in declines] == ["no_p2p"]
     ok, text, declines = verdict.gpu_verdict(inv, again, table, tactics)  # auto
     assert ok is True and "GPU1 -> GPU5" in text and "cuda_host" in text and declines == []
 
@@ -521,8 +570,9 @@ def test_a_full_list_of_eight_failures_marks_other_pairs_unverified(tmp_path):
 def test_all_pairs_ok_is_cached_and_counted(tmp_path):
     system, inv = p2p_host(tmp_path)
     calls: List[int] = []
-    result = p2p.check_p2p(system, inv, skip=False,
-                              runner=fake_runner({"enabled": True, "reason": None}, calls))
+    result = p2p.check_p2p(
+        system, inv, skip=False, runner=fake_runner({"enabled": True, "reason": None}, calls)
+    )
     assert result["status"] == "ok" and len(result["pairs"]) == 56
     assert all(p["status"] == "ok" for p in result["pairs"])
     assert Path(result["cache_file"]).is_file()
@@ -539,8 +589,12 @@ def test_a_failed_p2p_test_is_reported_and_never_cached(tmp_path, kind):
         "other_reason": fake_runner({"enabled": False, "reason": "multi_host: ..."}, calls),
     }[kind]
     result = p2p.check_p2p(system, inv, skip=False, runner=runner, timeout_s=7)
-    expect = {"crash": "Segmentation fault", "timeout": "within 7 s",
-              "rank_error": "CUDA error", "other_reason": "multi_host"}[kind]
+    expect = {
+        "crash": "Segmentation fault",
+        "timeout": "within 7 s",
+        "rank_error": "CUDA error",
+        "other_reason": "multi_host",
+    }[kind]
     assert expect in result["detail"]
     assert result["status"] == ("inconclusive" if kind == "other_reason" else "error")
     assert not Path(result["cache_file"]).exists()
@@ -549,13 +603,17 @@ def test_a_failed_p2p_test_is_reported_and_never_cached(tmp_path, kind):
     assert verdict.gpu_declines(inv, result, "hostmem") == []  # P2P is never tried there
 
 
-@pytest.mark.parametrize("transport, ok, name, declines", [
-    ("auto", True, "cuda_host", []),
-    ("p2p", False, "cuda_ipc", ["no_p2p"]),
-    ("hostmem", True, "cuda_host", []),
-])
+@pytest.mark.parametrize(
+    "transport, ok, name, declines",
+    [
+        ("auto", True, "cuda_host", []),
+        ("p2p", False, "cuda_ipc", ["no_p2p"]),
+        ("hostmem", True, "cuda_host", []),
+    ],
+)
 def test_a_tested_p2p_failure_leads_where_the_transport_setting_says(
-        tmp_path, transport, ok, name, declines):
+    tmp_path, transport, ok, name, declines
+):
     fixture = fixture_with_transport("two_socket_8gpu", tmp_path, transport)
     (fixture / "p2p.json").unlink()
     calls: List[int] = []
@@ -612,9 +670,15 @@ def test_the_p2p_subprocess_tests_peer_to_peer_whatever_the_environment(monkeypa
 
 
 def test_p2p_subprocess_sees_every_gpu_in_bus_order_with_the_backend_on():
-    env = system.probe_env({"CUDA_VISIBLE_DEVICES": "1", "PCIE_ALLREDUCE_ENABLE": "0",
-                            "PCIE_ALLREDUCE_TABLE": "x.csv", "PATH": "/bin",
-                            "PCIE_ALLREDUCE_TRANSPORT": "bogus"})
+    env = system.probe_env(
+        {
+            "CUDA_VISIBLE_DEVICES": "1",
+            "PCIE_ALLREDUCE_ENABLE": "0",
+            "PCIE_ALLREDUCE_TABLE": "x.csv",
+            "PATH": "/bin",
+            "PCIE_ALLREDUCE_TRANSPORT": "bogus",
+        }
+    )
     assert env == {"PATH": "/bin", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     argv = p2p.p2p_probe_command(4, 30.0)
     assert argv[0] == sys.executable and argv[-2:] == ["4", "30.0"]
@@ -668,8 +732,11 @@ def fake_nvml(levels: List[List[int]], nvlinks: Dict[int, List[str]]) -> types.S
         return 1 if link < len(nvlinks[h]) else 0
 
     return types.SimpleNamespace(
-        NVMLError=NVMLError, NVML_FEATURE_ENABLED=1, NVML_NVLINK_MAX_LINKS=4,
-        nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        NVMLError=NVMLError,
+        NVML_FEATURE_ENABLED=1,
+        NVML_NVLINK_MAX_LINKS=4,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
         nvmlSystemGetDriverVersion=lambda: b"570.86.15",
         nvmlDeviceGetCount=lambda: n,
         nvmlDeviceGetHandleByIndex=lambda i: i,
@@ -678,14 +745,16 @@ def fake_nvml(levels: List[List[int]], nvlinks: Dict[int, List[str]]) -> types.S
         nvmlDeviceGetTopologyCommonAncestor=lambda a, b: levels[a][b],
         nvmlDeviceGetNvLinkState=link_state,
         nvmlDeviceGetNvLinkRemotePciInfo=lambda h, link: types.SimpleNamespace(
-            busId=nvlinks[h][link]),
+            busId=nvlinks[h][link]
+        ),
     )
 
 
 def test_nvml_inventory_builds_the_same_topology_nvidia_smi_would():
     node, sys_, phb = 40, 50, 30
-    levels = [[0 if a == b else (phb if a // 2 == b // 2 else sys_) for b in range(4)]
-              for a in range(4)]
+    levels = [
+        [0 if a == b else (phb if a // 2 == b // 2 else sys_) for b in range(4)] for a in range(4)
+    ]
     levels[0][1] = levels[1][0] = node
     raw = inventory.nvml_inventory(fake_nvml(levels, {}))
     assert raw.driver == "570.86.15" and raw.bus_ids[1] == "0000:38:00.0"
@@ -709,17 +778,20 @@ def test_nvml_nvlink_pairs_and_nvswitch_links_become_nv_classes():
 # ---------------------------------------------------------------------------- IOMMU, helpers
 
 
-@pytest.mark.parametrize("cmdline, groups, mode", [
-    ("ro quiet intel_iommu=on", None, "translated"),
-    ("ro intel_iommu=on iommu=pt", ["DMA"], "passthrough"),
-    ("ro amd_iommu=on iommu.passthrough=1", None, "passthrough"),
-    ("ro intel_iommu=off", ["DMA"], "off"),
-    ("ro quiet", [], "off"),
-    ("ro quiet", ["identity", "identity"], "passthrough"),
-    ("ro quiet", ["DMA-FQ", "identity"], "translated"),
-    ("ro quiet", ["", ""], "on"),
-    (None, None, "unknown"),
-])
+@pytest.mark.parametrize(
+    "cmdline, groups, mode",
+    [
+        ("ro quiet intel_iommu=on", None, "translated"),
+        ("ro intel_iommu=on iommu=pt", ["DMA"], "passthrough"),
+        ("ro amd_iommu=on iommu.passthrough=1", None, "passthrough"),
+        ("ro intel_iommu=off", ["DMA"], "off"),
+        ("ro quiet", [], "off"),
+        ("ro quiet", ["identity", "identity"], "passthrough"),
+        ("ro quiet", ["DMA-FQ", "identity"], "translated"),
+        ("ro quiet", ["", ""], "on"),
+        (None, None, "unknown"),
+    ],
+)
 def test_iommu_mode_from_cmdline_and_group_types(cmdline, groups, mode):
     assert iommu.iommu_mode(cmdline, groups)[0] == mode
 
@@ -732,28 +804,40 @@ def test_iommu_hint_is_a_hint_not_a_failure(capsys, tmp_path):
     assert len(report["iommu"]["hints"]) == 1  # no ACS hint: every pair works
 
 
-@pytest.mark.parametrize("given, sysfs", [
-    ("00000000:41:00.0", "0000:41:00.0"),
-    ("00000001:A1:00.1", "0001:a1:00.1"),
-    ("41:00.0", "0000:41:00.0"),
-    ("0000:41:00.0", "0000:41:00.0"),
-])
+@pytest.mark.parametrize(
+    "given, sysfs",
+    [
+        ("00000000:41:00.0", "0000:41:00.0"),
+        ("00000001:A1:00.1", "0001:a1:00.1"),
+        ("41:00.0", "0000:41:00.0"),
+        ("0000:41:00.0", "0000:41:00.0"),
+    ],
+)
 def test_bus_ids_are_spelled_as_sysfs_spells_them(given, sysfs):
     assert system.sysfs_bus_id(given) == sysfs
 
 
 def test_host_bench_result_must_show_the_kernels_ran():
     ok = json.dumps({"rows": [{"tactic": "oneshot/push"}], "stats": {"enabled": True}})
-    off = json.dumps({"rows": [{"tactic": "fallback"}],
-                      "stats": {"enabled": False, "disabled_reason": "disabled: shm"}})
+    off = json.dumps(
+        {
+            "rows": [{"tactic": "fallback"}],
+            "stats": {"enabled": False, "disabled_reason": "disabled: shm"},
+        }
+    )
     assert host_transport.interpret_host_run(system.RunResult(0, ""), ok, 60)["status"] == "ok"
     result = host_transport.interpret_host_run(system.RunResult(0, ""), off, 60)
     assert result["status"] == "failed" and "disabled: shm" in result["detail"]
     crashed = host_transport.interpret_host_run(
-        system.RunResult(1, "a\nb\nranks [1] failed\n"), None, 60)
+        system.RunResult(1, "a\nb\nranks [1] failed\n"), None, 60
+    )
     assert crashed["status"] == "failed" and "ranks [1] failed" in crashed["detail"]
-    assert "within 60 s" in host_transport.interpret_host_run(
-        system.RunResult(None, "", timed_out=True), None, 60)["detail"]
+    assert (
+        "within 60 s"
+        in host_transport.interpret_host_run(system.RunResult(None, "", timed_out=True), None, 60)[
+            "detail"
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------- this machine

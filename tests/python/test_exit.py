@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-_RANK = r'''
+_RANK = r"""
 import os, sys, time
 import torch.distributed as dist
 rank, world, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -32,16 +32,21 @@ store = dist.FileStore(f"{folder}/leave", world)
 store.set(f"here{rank}", "1")
 store.wait([f"here{r}" for r in range(world)])
 sys.exit(0)
-'''
+"""
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_processes_whose_construction_timed_out_exit_cleanly_together(attempt, tmp_path,
-                                                                       clean_shm):
+def test_processes_whose_construction_timed_out_exit_cleanly_together(attempt, tmp_path, clean_shm):
     world = 4
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), str(world), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         if r < world - 1:

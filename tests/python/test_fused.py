@@ -15,7 +15,9 @@ from pcie_allreduce.testing import DTYPES, fused_float64, fused_in_order, rank_i
 
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")
 SHAPES = [(d, st, "flag") for d in ("push", "pull") for st in (True, False)] + [
-    ("push", False, "ll"), ("push", False, "lamport")]
+    ("push", False, "ll"),
+    ("push", False, "lamport"),
+]
 EPS = 1e-6
 
 
@@ -57,8 +59,9 @@ def _every_tactic(rank, world, hidden, rows):
             table = one_row(algorithm, direction, staged, 1 if staged else 2, protocol)
             with PcieAllReduce(None, "cpu", max_numel=numel, table=table, islands=islands) as ar:
                 for dtype_name, dtype in DTYPES.items():
-                    xs = [rank_input(r, numel, dtype, seed=5).view(rows, hidden)
-                          for r in range(world)]
+                    xs = [
+                        rank_input(r, numel, dtype, seed=5).view(rows, hidden) for r in range(world)
+                    ]
                     x = xs[rank]
                     residual = replicated((rows, hidden), dtype, 11)
                     weight = replicated((hidden,), dtype, 13)
@@ -83,8 +86,9 @@ def _every_tactic(rank, world, hidden, rows):
 
 
 @pytest.mark.parametrize("world,hidden,rows", [(2, 4096, 3), (4, 2056, 2)])
-def test_every_tactic_fused_is_the_epilogue_of_its_all_reduce_bit_for_bit(world, hidden, rows,
-                                                                          clean_shm):
+def test_every_tactic_fused_is_the_epilogue_of_its_all_reduce_bit_for_bit(
+    world, hidden, rows, clean_shm
+):
     counts = run_ranks(_every_tactic, world, hidden, rows, timeout=600).values()
     assert counts[0] > 0 and len(set(counts)) == 1
 
@@ -145,13 +149,21 @@ def _declines(rank, world):
             assert torch.equal(x, before[0]) and torch.equal(residual, before[1]), name
             total = x.clone()
             dist.all_reduce(total)
-            y_ref, r_ref = fused_in_order(total, residual, weight.to(xdtype) if name != "weight_dtype"
-                                          else weight, EPS)
+            y_ref, r_ref = fused_in_order(
+                total, residual, weight.to(xdtype) if name != "weight_dtype" else weight, EPS
+            )
             assert torch.equal(r, r_ref), f"{name}: residual_out"
             if name != "weight_dtype":
                 assert torch.equal(y, y_ref), f"{name}: y"
-            y64, r64 = fused_float64([rank_input(q, rows * hidden, xdtype, seed=4).view(rows, hidden)
-                                      for q in range(world)], residual, weight, EPS)
+            y64, r64 = fused_float64(
+                [
+                    rank_input(q, rows * hidden, xdtype, seed=4).view(rows, hidden)
+                    for q in range(world)
+                ],
+                residual,
+                weight,
+                EPS,
+            )
             assert within_rounding(y, y64, "bf16"), name
         stats = ar.stats()
     return out, stats["fused_declines"], stats["fused_calls"]
@@ -159,8 +171,12 @@ def _declines(rank, world):
 
 def test_declined_fused_calls_say_why_and_return_the_same_result(clean_shm):
     reasons, declines, calls = run_ranks(_declines, 2)[0]["value"]
-    assert reasons == {"hidden": "hidden", "weight_dtype": "dtype", "too_large": "too_large",
-                       "dtype": "dtype"}
+    assert reasons == {
+        "hidden": "hidden",
+        "weight_dtype": "dtype",
+        "too_large": "too_large",
+        "dtype": "dtype",
+    }
     assert declines == {"hidden": 1, "dtype": 2, "too_large": 1}
     assert calls == {"unfused": 4}
 
@@ -227,13 +243,17 @@ def _opcheck(rank, world):
         x = rank_input(rank, 2 * 256, torch.float32).view(2, 256)
         residual = replicated((2, 256), torch.float32, 51)
         weight = replicated((256,), torch.float32, 52)
-        torch.library.opcheck(ops.all_reduce_add_rms_norm.default,
-                              (x, residual, weight, EPS, ar.handle))
-        torch.library.opcheck(ops.all_reduce_add_rms_norm_.default,
-                              (x.clone(), residual.clone(), weight, EPS, ar.handle))
-        torch.library.opcheck(ops.all_reduce_add_rms_norm_into.default,
-                              (x, residual, weight, EPS, ar.handle, torch.empty_like(x),
-                               torch.empty_like(residual)))
+        torch.library.opcheck(
+            ops.all_reduce_add_rms_norm.default, (x, residual, weight, EPS, ar.handle)
+        )
+        torch.library.opcheck(
+            ops.all_reduce_add_rms_norm_.default,
+            (x.clone(), residual.clone(), weight, EPS, ar.handle),
+        )
+        torch.library.opcheck(
+            ops.all_reduce_add_rms_norm_into.default,
+            (x, residual, weight, EPS, ar.handle, torch.empty_like(x), torch.empty_like(residual)),
+        )
 
         @torch.compile(fullgraph=True, backend="aot_eager")
         def layer_end(h, res):
@@ -274,8 +294,9 @@ def _fused_against_plain(rank, world, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["flag", "ll", "lamport"])
-def test_a_rank_in_the_fused_call_and_a_peer_in_the_plain_one_fail_naming_each_other(protocol,
-                                                                                     clean_shm):
+def test_a_rank_in_the_fused_call_and_a_peer_in_the_plain_one_fail_naming_each_other(
+    protocol, clean_shm
+):
     """Same tensor, same tactic, same generation: the steps would pair up and each rank return
     what the other did not compute. The fused call's signature differs, so both fail at once."""
     for rank, res in enumerate(run_ranks(_fused_against_plain, 2, protocol, timeout=120).values()):

@@ -15,10 +15,19 @@ from pcie_allreduce import policy
 from pcie_allreduce.integrations import common
 
 
-@pytest.mark.parametrize("name,world,ok", [
-    ("tp", 2, True), ("tp", 8, True), ("tp", 1, False), ("attention_tp", 2, False),
-    ("moe_tp", 4, False), ("pdmux_prefill_tp", 2, False), (None, 2, False), ("tp:0", 2, False),
-])
+@pytest.mark.parametrize(
+    "name,world,ok",
+    [
+        ("tp", 2, True),
+        ("tp", 8, True),
+        ("tp", 1, False),
+        ("attention_tp", 2, False),
+        ("moe_tp", 4, False),
+        ("pdmux_prefill_tp", 2, False),
+        (None, 2, False),
+        ("tp:0", 2, False),
+    ],
+)
 def test_only_the_tensor_parallel_group_with_peers_is_served(name, world, ok):
     why = common.ineligible(name, world)
     assert (why is None) == ok
@@ -33,8 +42,9 @@ def test_sizing_explicit_env_wins_then_derived_then_an_announced_guess(monkeypat
     monkeypatch.delenv("PCIE_ALLREDUCE_MAX_NUMEL")
     s = common.size_workspace("vllm", max_bs=256, draft_tokens=4, hidden=5120)
     assert s.max_numel == 256 * 4 * 5120 and not s.guessed and "x 4 token(s)" in s.how
-    assert common.size_workspace("sglang", max_bs=3, draft_tokens=None, hidden=100).max_numel \
-        == 304  # 300 rounded up to whole 8-element groups
+    assert (
+        common.size_workspace("sglang", max_bs=3, draft_tokens=None, hidden=100).max_numel == 304
+    )  # 300 rounded up to whole 8-element groups
     with caplog.at_level(logging.WARNING, logger="pcie_allreduce"):
         s = common.size_workspace("sglang", max_bs=None, draft_tokens=None, hidden=4096)
     assert s.guessed and s.max_numel == policy.DEFAULT_ROWS * 4096
@@ -78,8 +88,7 @@ def _warm_up_tunes(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
     return {"first": first, "skipped": skipped}
 
 
-def test_the_warm_up_tunes_once_per_host_unless_the_engine_disables_autotune(tmp_path,
-                                                                             clean_shm):
+def test_the_warm_up_tunes_once_per_host_unless_the_engine_disables_autotune(tmp_path, clean_shm):
     for r in run_ranks(_warm_up_tunes, 2, str(tmp_path)).values():
         assert r["first"]["tuned"] and r["first"]["measured"] > 0
         assert r["first"]["path"].startswith(str(tmp_path))

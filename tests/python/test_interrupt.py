@@ -58,11 +58,15 @@ def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place):
 
 
 @pytest.mark.parametrize("timeout_s,in_place", [(0.0, True), (30.0, False)])
-def test_ctrl_c_ends_a_wait_at_once_and_leaves_the_communicator_failed(timeout_s, in_place,
-                                                                       clean_shm):
-    res = run_ranks(_interrupted_while_the_peer_stays_away, 2, timeout_s, in_place,
-                    timeout=120).values()[0]
+def test_ctrl_c_ends_a_wait_at_once_and_leaves_the_communicator_failed(
+    timeout_s, in_place, clean_shm
+):
+    res = run_ranks(
+        _interrupted_while_the_peer_stays_away, 2, timeout_s, in_place, timeout=120
+    ).values()[0]
     assert res["first"] == "KeyboardInterrupt", res
-    assert res["after_signal_s"] < 1.0, res  # a wait asks every 20 ms; the deadline is 30 s or never
+    assert res["after_signal_s"] < 1.0, (
+        res
+    )  # a wait asks every 20 ms; the deadline is 30 s or never
     assert res["kind"] == "interrupted", res
     assert "rank 0 was interrupted" in res["second"] and "failed earlier" in res["second"], res

@@ -84,8 +84,9 @@ def test_ll_schedules_pay_no_fence_and_poll_only_their_own_memory(algorithm):
 @pytest.mark.parametrize("staged", [True, False])
 def test_no_flag_schedule_polls_a_peer(direction, staged):
     for algorithm in plan.ALGORITHMS:
-        cost = plan.build(algorithm, 8, islands=TWO_BY_FOUR, direction=direction,
-                          staged=staged).cost()
+        cost = plan.build(
+            algorithm, 8, islands=TWO_BY_FOUR, direction=direction, staged=staged
+        ).cost()
         assert cost["peer_polls"] == 0, (algorithm, cost)
         assert cost["system_fences"] >= 1
 
@@ -94,8 +95,11 @@ def test_cost_counts_serial_fences_waits_and_hops():
     staged = plan.build("oneshot", 8, staged=True).cost()
     assert (staged["system_fences"], staged["local_waits"], staged["fabric_hops"]) == (7, 7, 7)
     unstaged = plan.build("oneshot", 8, staged=False).cost()
-    assert (unstaged["system_fences"], unstaged["local_waits"],
-            unstaged["fabric_hops"]) == (1, 1, 1)
+    assert (unstaged["system_fences"], unstaged["local_waits"], unstaged["fabric_hops"]) == (
+        1,
+        1,
+        1,
+    )
     island = plan.build("island_oneshot", 8, islands=TWO_BY_FOUR, staged=False, protocol="ll")
     assert island.cost()["fabric_hops"] == 2 and island.cost()["cross_island"] == 4.0
 
@@ -138,7 +142,8 @@ def test_lamport_moves_the_payload_once_on_the_same_critical_path():
     for transport, ll_bytes in (("cuda_ipc", 2 * 12288), ("cuda_host", 4 * 12288)):
         ll = plan.build("oneshot", 2, staged=False, protocol="ll").cost(12288, transport=transport)
         dense = plan.build("oneshot", 2, staged=False, protocol="lamport").cost(
-            12288, transport=transport)
+            12288, transport=transport
+        )
         assert ll["busiest_link_bytes"] == ll_bytes
         assert dense["busiest_link_bytes"] == ll_bytes / 2
         assert dense["critical_path"] == ll["critical_path"]
@@ -174,9 +179,14 @@ def test_the_seeds_gpu_rows_are_what_the_cost_model_derives():
     model's constants (or a change in what the executor does) must regenerate them
     (`python -m pcie_allreduce.tuning.model`)."""
     keys = {key for key, _, _, _ in model.gpu_families()}
-    seed = [line for line in _C.TuningTable.embedded_text().splitlines()
-            if line and not line.startswith("#") and line.split(",")[0] in keys
-            and ",fallback" not in line]
+    seed = [
+        line
+        for line in _C.TuningTable.embedded_text().splitlines()
+        if line
+        and not line.startswith("#")
+        and line.split(",")[0] in keys
+        and ",fallback" not in line
+    ]
     assert seed == model.derive_seed_rows()
 
 

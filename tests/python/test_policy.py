@@ -10,15 +10,20 @@ from pcie_allreduce import policy
 
 
 def test_every_spelling_of_a_transport_reads_as_its_one_name():
-    for spellings, name in ((("host_shm", "host", " HOST "), "host_shm"),
-                            (("cuda_ipc", "cuda", "p2p", "P2P"), "cuda_ipc"),
-                            (("cuda_host", "hostmem", "HostMem"), "cuda_host"),
-                            (("auto", "", None), "auto")):
+    for spellings, name in (
+        (("host_shm", "host", " HOST "), "host_shm"),
+        (("cuda_ipc", "cuda", "p2p", "P2P"), "cuda_ipc"),
+        (("cuda_host", "hostmem", "HostMem"), "cuda_host"),
+        (("auto", "", None), "auto"),
+    ):
         for spelling in spellings:
             assert policy.canonical(spelling) == name, spelling
-    with pytest.raises(ValueError, match="transport must be one of auto, host_shm, cuda_ipc, "
-                       r"cuda_host \(or host = host_shm, cuda = cuda_ipc, p2p = cuda_ipc, "
-                       r"hostmem = cuda_host\), got 'nvlink'"):
+    with pytest.raises(
+        ValueError,
+        match="transport must be one of auto, host_shm, cuda_ipc, "
+        r"cuda_host \(or host = host_shm, cuda = cuda_ipc, p2p = cuda_ipc, "
+        r"hostmem = cuda_host\), got 'nvlink'",
+    ):
         policy.canonical("nvlink")
 
 
@@ -51,8 +56,11 @@ def test_cpu_tensors_run_host_shm_and_gpus_start_on_what_was_asked():
     forced = policy.choose_transport("cuda", "hostmem", "auto")
     assert (forced.name, forced.mode) == ("cuda_host", "cuda_host")
     assert forced.detail() == "transport='cuda_host': every workspace in shared pinned host memory"
-    assert policy.choose_transport("cuda", None, "cuda_host").detail().startswith(
-        "PCIE_ALLREDUCE_TRANSPORT=cuda_host: ")
+    assert (
+        policy.choose_transport("cuda", None, "cuda_host")
+        .detail()
+        .startswith("PCIE_ALLREDUCE_TRANSPORT=cuda_host: ")
+    )
     assert policy.transport_after_p2p_failure("auto") == "cuda_host"
     assert policy.transport_after_p2p_failure("cuda_ipc") is None
 
@@ -97,8 +105,11 @@ def test_the_workspace_size_has_one_rule_whoever_gives_it():
     assert guess.guessed and guess.max_numel == 6400 and "guessing 64 rows" in guess.how
     assert policy.size_workspace().max_numel == 64 * 8192
     for value in (4100, 0, -8, 1 << 32):
-        with pytest.raises(ValueError, match=r"max_numel must be a positive multiple of 8 "
-                           rf"\(elements\), got {value}"):
+        with pytest.raises(
+            ValueError,
+            match=r"max_numel must be a positive multiple of 8 "
+            rf"\(elements\), got {value}",
+        ):
             policy.size_workspace(explicit=value)
     with pytest.raises(ValueError, match="more than the 4294967288 elements"):
         policy.size_workspace(hidden=1 << 20, max_rows=1 << 13)

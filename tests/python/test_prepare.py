@@ -11,10 +11,12 @@ from conftest import run_ranks
 
 MAX_NUMEL = 8192
 # Several tactics by size, an LL row (capacity-limited) and a fallback band.
-TABLE = ("host,2,bf16,0,2048,oneshot,push,0,1,32,ll\n"
-         "host,2,*,0,8192,oneshot,pull,0,1,32\n"
-         "host,2,*,8192,12288,fallback\n"
-         "host,2,*,12288,*,twoshot,push,1,2,32\n")
+TABLE = (
+    "host,2,bf16,0,2048,oneshot,push,0,1,32,ll\n"
+    "host,2,*,0,8192,oneshot,pull,0,1,32\n"
+    "host,2,*,8192,12288,fallback\n"
+    "host,2,*,12288,*,twoshot,push,1,2,32\n"
+)
 
 
 def _prepare(rank: int, world: int) -> Dict[str, Any]:
@@ -40,16 +42,23 @@ def _prepare(rank: int, world: int) -> Dict[str, Any]:
             used.all_reduce(torch.ones(numel, dtype=dtype))
     after_calls = used.prepare()["programs"]
     used.destroy()
-    return {"first": first, "again": again, "captures": captures, "refused": refused,
-            "after_calls": after_calls}
+    return {
+        "first": first,
+        "again": again,
+        "captures": captures,
+        "refused": refused,
+        "after_calls": after_calls,
+    }
 
 
-def test_prepare_installs_every_program_a_call_could_need_and_capture_brackets_it(clean_shm,
-                                                                                   capfd):
+def test_prepare_installs_every_program_a_call_could_need_and_capture_brackets_it(clean_shm, capfd):
     for r in run_ranks(_prepare, 2).values():
         assert r["first"]["programs"] == r["after_calls"] >= 3
-        assert r["again"] == {"max_numel": MAX_NUMEL, "programs": r["first"]["programs"],
-                              "rows_covered": 8}
+        assert r["again"] == {
+            "max_numel": MAX_NUMEL,
+            "programs": r["first"]["programs"],
+            "rows_covered": 8,
+        }
         assert r["captures"] == 1 and "inside another autotune pass" in r["refused"]
     assert "batches of 9..16 rows go to the fallback" in capfd.readouterr().err
 

@@ -50,8 +50,9 @@ def _one_rank_fails_before_the_handshake(rank, world, failure):
 def test_a_rank_failing_during_construction_is_named_by_the_others_within_the_timeout(
     failure, clean_shm
 ):
-    res = run_ranks(_one_rank_fails_before_the_handshake, 3, failure, allow_failures=True,
-                    timeout=60)
+    res = run_ranks(
+        _one_rank_fails_before_the_handshake, 3, failure, allow_failures=True, timeout=60
+    )
     assert res[1]["type"] == ("FileNotFoundError" if failure == "table" else "OSError")
     if failure == "table":
         assert "PCIE_ALLREDUCE_TABLE" in res[1]["error"] and "does not exist" in res[1]["error"]
@@ -102,8 +103,13 @@ def _disabled_by_env(rank, world):
     ar = PcieAllReduce(None, "cpu", max_numel=4096)
     x = torch.full((1024,), float(rank + 1))
     out = ar.all_reduce(x)
-    result = (ar.enabled, ar.disabled_reason, ar.decline_reason(x), out[0].item(),
-              ar.stats()["declines"])
+    result = (
+        ar.enabled,
+        ar.disabled_reason,
+        ar.decline_reason(x),
+        out[0].item(),
+        ar.stats()["declines"],
+    )
     ar.destroy()
     return result
 
@@ -148,8 +154,12 @@ def test_a_group_spanning_hosts_declines_multi_host_and_stays_correct(clean_shm)
 # --------------------------------------------------------------------- no numpy
 def test_construction_and_calls_work_without_numpy(tmp_path, clean_shm):
     script = HERE / "no_numpy_ranks.py"
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "init")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "init")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("no numpy: enabled, sum ok") == 2, done.stdout + done.stderr
 
@@ -271,9 +281,12 @@ def test_bad_constructor_arguments_say_what_was_wrong_and_what_was_expected(tmp_
         (["--min-bytes", "1", "--max-bytes", "15"], "no message size in --min-bytes 1"),
         (["--json", "/nonexistent/dir/out.json"], "does not exist or is not writable"),
         (["--table", "/nonexistent/table.csv"], "no such file"),
-        (["--transport", "nvlink"], "--transport must be one of auto, host_shm, cuda_ipc, "
-         "cuda_host (or host = host_shm, cuda = cuda_ipc, p2p = cuda_ipc, hostmem = cuda_host), "
-         "got 'nvlink'"),
+        (
+            ["--transport", "nvlink"],
+            "--transport must be one of auto, host_shm, cuda_ipc, "
+            "cuda_host (or host = host_shm, cuda = cuda_ipc, p2p = cuda_ipc, hostmem = cuda_host), "
+            "got 'nvlink'",
+        ),
     ],
 )
 def test_bench_rejects_bad_arguments_before_starting_any_rank(argv, fragment, capsys):

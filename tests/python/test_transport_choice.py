@@ -19,9 +19,11 @@ import torch
 
 from conftest import run_ranks
 
-CONNECT_ERROR = ("cudaIpcOpenMemHandle of rank 0's workspace on rank 1 failed "
-                 "(cudaErrorPeerAccessUnsupported: peer access is not supported between these "
-                 "two devices)")
+CONNECT_ERROR = (
+    "cudaIpcOpenMemHandle of rank 0's workspace on rank 1 failed "
+    "(cudaErrorPeerAccessUnsupported: peer access is not supported between these "
+    "two devices)"
+)
 
 
 class _GpuStandIn:
@@ -75,17 +77,28 @@ def _stand_in_for_gpus(rank: int, failure: str) -> List[str]:
     return made
 
 
-def _construct(rank: int, world: int, failure: str, transport: Any = None,
-               check_call: bool = True) -> Dict[str, Any]:
+def _construct(
+    rank: int, world: int, failure: str, transport: Any = None, check_call: bool = True
+) -> Dict[str, Any]:
     from pcie_allreduce import PcieAllReduce
 
     made = _stand_in_for_gpus(rank, failure)
-    ar = PcieAllReduce(None, torch.device("cuda", 0), max_numel=8192, islands=[[0, 1]],
-                       transport=transport, timeout_s=20)
-    out: Dict[str, Any] = {"made": list(made), "enabled": ar.enabled,
-                           "reason": ar.disabled_reason, "stats": ar.stats(),
-                           "fingerprint": ar.config.fingerprint,
-                           "fields": dict(ar.config.fingerprint_fields)}
+    ar = PcieAllReduce(
+        None,
+        torch.device("cuda", 0),
+        max_numel=8192,
+        islands=[[0, 1]],
+        transport=transport,
+        timeout_s=20,
+    )
+    out: Dict[str, Any] = {
+        "made": list(made),
+        "enabled": ar.enabled,
+        "reason": ar.disabled_reason,
+        "stats": ar.stats(),
+        "fingerprint": ar.config.fingerprint,
+        "fields": dict(ar.config.fingerprint_fields),
+    }
     x = torch.full((6144,), float(rank + 1), dtype=torch.bfloat16)  # 12 KiB: a decode size
     out["tactic"] = ar.chosen_tactic(x)
     if check_call:
@@ -104,11 +117,13 @@ def test_a_failed_p2p_check_moves_every_rank_to_host_memory_and_says_why(clean_s
         assert res["stats"]["transport"] == "cuda_host"
         assert res["stats"]["transport_detail"] == (
             "peer-to-peer failed: peer writes or reads did not arrive intact (rank 0 -> rank 1); "
-            "every workspace is in shared pinned host memory")
+            "every workspace is in shared pinned host memory"
+        )
         assert res["stats"]["disabled_reason"] is None
         # Its own cache entry and its own table rows: the hostmem seed rows decide.
-        assert res["fields"]["transport"] == "cuda_host" and \
-            res["fields"]["topology"] == "cuda_host"
+        assert (
+            res["fields"]["transport"] == "cuda_host" and res["fields"]["topology"] == "cuda_host"
+        )
         assert res["fingerprint"].startswith("cuda_host-w2-")
         assert res["tactic"].startswith("oneshot/push/unstaged/lamport/b8/"), res["tactic"]
         assert res["correct"] and res["kernel_calls"] == 1
@@ -122,7 +137,8 @@ def test_a_peer_that_cannot_map_p2p_memory_is_named_and_every_rank_switches(clea
         assert res["stats"]["transport"] == "cuda_host" and res["enabled"]
         assert res["stats"]["transport_detail"] == (
             f"peer-to-peer failed: rank 1 cannot map its peers' workspaces ({CONNECT_ERROR}); "
-            "every workspace is in shared pinned host memory")
+            "every workspace is in shared pinned host memory"
+        )
         assert res["correct"]
 
 
@@ -134,7 +150,8 @@ def test_transport_p2p_declines_no_p2p_instead_and_stays_correct(clean_shm):
         assert res["reason"] == (
             "no_p2p: peer writes or reads did not arrive intact (rank 0 -> rank 1); check the "
             "IOMMU/ACS settings of the PCIe path between those GPUs (transport cuda_ipc: host "
-            "memory was not tried)")
+            "memory was not tried)"
+        )
         assert res["stats"]["transport"] == "cuda_ipc"
         assert res["tactic"] == "fallback"
         assert res["correct"] and res["kernel_calls"] == 0  # the group's own all-reduce
@@ -151,15 +168,16 @@ def test_working_p2p_stays_on_p2p(clean_shm):
 @pytest.mark.parametrize("how", ["argument", "env"])
 def test_hostmem_forces_host_memory_without_trying_p2p(how, clean_shm):
     env = {"PCIE_ALLREDUCE_TRANSPORT": "hostmem"} if how == "env" else {}
-    results = run_ranks(_construct, 2, "probe", "hostmem" if how == "argument" else None,
-                        env=env).values()
-    source = ("transport='cuda_host'" if how == "argument"
-              else "PCIE_ALLREDUCE_TRANSPORT=cuda_host")
+    results = run_ranks(
+        _construct, 2, "probe", "hostmem" if how == "argument" else None, env=env
+    ).values()
+    source = "transport='cuda_host'" if how == "argument" else "PCIE_ALLREDUCE_TRANSPORT=cuda_host"
     for res in results:
         assert res["made"] == ["cuda_host"]  # the failing P2P probe never ran
         assert res["enabled"] and res["stats"]["transport"] == "cuda_host"
         assert res["stats"]["transport_detail"] == (
-            f"{source}: every workspace in shared pinned host memory")
+            f"{source}: every workspace in shared pinned host memory"
+        )
         assert res["correct"]
 
 
@@ -171,8 +189,10 @@ def test_ranks_that_disagree_on_the_transport_turn_the_backend_off_everywhere(cl
     for res in run_ranks(_ranks_disagree, 2).values():
         assert not res["enabled"]
         # The first differing field names it: the transport, or the table key it implies.
-        assert ("ranks disagree on transport" in res["reason"]
-                or "rank 0 has 'cuda_host'" in res["reason"]), res["reason"]
+        assert (
+            "ranks disagree on transport" in res["reason"]
+            or "rank 0 has 'cuda_host'" in res["reason"]
+        ), res["reason"]
         assert res["correct"]
 
 
@@ -186,13 +206,14 @@ def _cache_after_switch(rank: int, world: int, cache_dir: str) -> Dict[str, Any]
     first = _construct(rank, world, "probe", check_call=False)
     if rank == 0:
         fp = first["fingerprint"]
-        rows = ("topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
-                "threads,protocol\nhostmem,2,*,0,*,twoshot,push,0,2,64,flag\n")
+        rows = (
+            "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
+            "threads,protocol\nhostmem,2,*,0,*,twoshot,push,0,2,64,flag\n"
+        )
         cache.write_cache(cache.cache_path(fp), fp, first["fields"], rows, 1)
     dist.barrier()
     second = _construct(rank, world, "probe")
-    return {"first": first, "second": second,
-            "cache": str(cache.cache_path(second["fingerprint"]))}
+    return {"first": first, "second": second, "cache": str(cache.cache_path(second["fingerprint"]))}
 
 
 def test_the_switch_reads_this_hosts_tuning_cache_for_host_memory(tmp_path, clean_shm):
@@ -201,7 +222,8 @@ def test_the_switch_reads_this_hosts_tuning_cache_for_host_memory(tmp_path, clea
     for res in results:
         assert res["first"]["stats"]["table_source"] == "embedded seed table"
         assert res["second"]["stats"]["table_source"] == f"cache {res['cache']}"
-        assert res["second"]["tactic"].startswith("twoshot/push/unstaged/flag/b2/"), \
-            res["second"]["tactic"]
+        assert res["second"]["tactic"].startswith("twoshot/push/unstaged/flag/b2/"), res["second"][
+            "tactic"
+        ]
         assert res["second"]["correct"]
     assert os.path.basename(results[0]["cache"]).startswith("cuda_host-w2-")

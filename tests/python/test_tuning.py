@@ -37,13 +37,20 @@ def _tune_and_reopen(rank: int, world: int, cache_dir: str, force: bool) -> Dict
         assert torch.equal(ar.all_reduce(x * (rank + 1)), x * world * (world + 1) / 2)
     ar.destroy()
     again = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
-    reopened = {(d, b): again.chosen_tactic(torch.ones(b // DTYPES[d].itemsize,
-                                                       dtype=DTYPES[d]))
-                for d, b in choices}
+    reopened = {
+        (d, b): again.chosen_tactic(torch.ones(b // DTYPES[d].itemsize, dtype=DTYPES[d]))
+        for d, b in choices
+    }
     stats = again.stats()
     again.destroy()
-    return {"report": report, "before": before, "choices": choices, "reopened": reopened,
-            "stats": stats, "after_tune": after_tune}
+    return {
+        "report": report,
+        "before": before,
+        "choices": choices,
+        "reopened": reopened,
+        "stats": stats,
+        "after_tune": after_tune,
+    }
 
 
 def test_a_tune_writes_a_cache_the_next_communicator_loads_without_measuring(tmp_path, clean_shm):
@@ -67,8 +74,11 @@ def test_a_tune_writes_a_cache_the_next_communicator_loads_without_measuring(tmp
     # Every admitted dtype is tuned (not only bf16), and the measured times are kept as extra
     # columns for every tuned bucket.
     assert {c["dtype"] for c in report["choices"]} == {"bf16", "fp16", "fp32"}
-    rows = [line for line in text.splitlines()
-            if line.startswith("host_shm,2,") and line.split(",")[2] != "*"]
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith("host_shm,2,") and line.split(",")[2] != "*"
+    ]
     assert len(rows) == len(report["choices"]) >= 9
     assert all(len(row.split(",")) == 16 for row in rows)
 
@@ -107,12 +117,15 @@ def _tune_twice(rank: int, world: int, cache_dir: str) -> List[Dict[str, Any]]:
     for attempt in range(2):
         tuner.synthetic_timer = _synthetic_costs(rank, attempt)
         ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
-        report = ar.tune(dtypes=["bf16"], force=True, max_bytes=8192, budget_s=20.0,
-                           progress=False)
-        out.append({"winners": {c["bytes"]: c["winner"] for c in report["choices"]},
-                    "incumbents": {c["bytes"]: c["incumbent"] for c in report["choices"]},
-                    "edges": [(c["min_bytes"], c["max_bytes"]) for c in report["choices"]],
-                    "source": ar.stats()["table_source"]})
+        report = ar.tune(dtypes=["bf16"], force=True, max_bytes=8192, budget_s=20.0, progress=False)
+        out.append(
+            {
+                "winners": {c["bytes"]: c["winner"] for c in report["choices"]},
+                "incumbents": {c["bytes"]: c["incumbent"] for c in report["choices"]},
+                "edges": [(c["min_bytes"], c["max_bytes"]) for c in report["choices"]],
+                "source": ar.stats()["table_source"],
+            }
+        )
         ar.destroy()
     tuner.synthetic_timer = None
     third = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
@@ -134,8 +147,12 @@ def test_two_tunes_of_one_host_choose_the_same_and_a_third_measures_nothing(tmp_
     tune, and the second tune (starting from the first one's cache) changes nothing."""
     first, second, third = run_ranks(_tune_twice, 2, str(tmp_path)).values()[0]
     assert set(first["incumbents"].values()) == {SEED_CHOICE}
-    assert first["winners"] == {1024: SEED_CHOICE, 2048: SEED_CHOICE, 4096: SEED_CHOICE,
-                                8192: CLEAR}
+    assert first["winners"] == {
+        1024: SEED_CHOICE,
+        2048: SEED_CHOICE,
+        4096: SEED_CHOICE,
+        8192: CLEAR,
+    }
     assert "cache" in second["source"]
     assert second["incumbents"] == first["winners"] == second["winners"]
     assert third["status"] == "cached" and third["measured"] == 0
@@ -171,24 +188,34 @@ def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> Dict[str, 
     dist.barrier()
     reopened = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
     source = reopened.stats()["table_source"]
-    sums_ok = bool(torch.equal(reopened.all_reduce(torch.ones(64) * (rank + 1)),
-                               torch.full((64,), 3.0)))
+    sums_ok = bool(
+        torch.equal(reopened.all_reduce(torch.ones(64) * (rank + 1)), torch.full((64,), 3.0))
+    )
     retuned = reopened.tune(dtypes=["bf16"], max_bytes=8192, budget_s=5.0, progress=False)
     reopened.destroy()
     tuner.synthetic_timer = None
     found = cache.read_cache(path, retuned and reopened.stats()["fingerprint"])
-    return {"source": source, "sums_ok": sums_ok, "retuned": retuned["status"],
-            "valid_after": found.text is not None}
+    return {
+        "source": source,
+        "sums_ok": sums_ok,
+        "retuned": retuned["status"],
+        "valid_after": found.text is not None,
+    }
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "foreign", "binary"])
 def test_a_damaged_cache_is_reported_ignored_and_replaced_by_the_next_tune(
-        damage, tmp_path, clean_shm, capfd):
+    damage, tmp_path, clean_shm, capfd
+):
     for r in run_ranks(_bad_cache, 2, str(tmp_path), damage).values():
         assert "seed" in r["source"] and r["sums_ok"]
         assert r["retuned"] == "tuned" and r["valid_after"]
-    words = {"truncated": "truncated", "corrupt": "checksum", "foreign": "foreign",
-             "binary": "not UTF-8"}
+    words = {
+        "truncated": "truncated",
+        "corrupt": "checksum",
+        "foreign": "foreign",
+        "binary": "not UTF-8",
+    }
     err = capfd.readouterr().err
     assert "ignoring the tuning cache" in err and words[damage] in err
 
@@ -209,8 +236,7 @@ def _racing_groups(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
     return {"status": report["status"], "measured": report["measured"], "path": report["path"]}
 
 
-def test_two_servers_tuning_one_host_at_once_measure_once_and_share_the_file(tmp_path,
-                                                                             clean_shm):
+def test_two_servers_tuning_one_host_at_once_measure_once_and_share_the_file(tmp_path, clean_shm):
     res = run_ranks(_racing_groups, 4, str(tmp_path)).values()
     statuses = sorted({(r["status"], r["measured"] > 0) for r in res})
     assert statuses == [("cached", False), ("tuned", True)], res
@@ -244,13 +270,17 @@ def _refused(rank: int, world: int, how: str) -> str:
     return "tuned"
 
 
-@pytest.mark.parametrize("how,words", [
-    ("env", "rank 1: PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1"),
-    ("nested", "rank 1: inside another autotune pass (an engine warm-up)"),
-    ("disabled", "rank 0: the communicator is disabled"),
-])
-def test_tune_refuses_on_every_rank_saying_why_and_measures_nothing(how, words, tmp_path,
-                                                                    clean_shm):
+@pytest.mark.parametrize(
+    "how,words",
+    [
+        ("env", "rank 1: PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1"),
+        ("nested", "rank 1: inside another autotune pass (an engine warm-up)"),
+        ("disabled", "rank 0: the communicator is disabled"),
+    ],
+)
+def test_tune_refuses_on_every_rank_saying_why_and_measures_nothing(
+    how, words, tmp_path, clean_shm
+):
     env = {"PCIE_ALLREDUCE_CACHE_DIR": str(tmp_path)}
     for message in run_ranks(_refused, 2, how, env=env).values():
         assert words in message and "measured nothing" in message
@@ -269,8 +299,11 @@ def _table_disagreement(rank: int, world: int, cache_dir: str) -> Dict[str, Any]
     # Rank 1 is handed the seed table explicitly; rank 0 finds the cache.
     table = "host,*,*,0,*,oneshot,push,0,1,32\n" if rank == 1 else None
     again = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL, table=table)
-    out = {"enabled": again.enabled, "reason": again.disabled_reason,
-           "sum": again.all_reduce(torch.ones(8) * (rank + 1)).tolist()}
+    out = {
+        "enabled": again.enabled,
+        "reason": again.disabled_reason,
+        "sum": again.all_reduce(torch.ones(8) * (rank + 1)).tolist(),
+    }
     again.destroy()
     return out
 
@@ -308,8 +341,13 @@ def _bad_arguments(rank: int, world: int) -> List[str]:
 
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL, dtypes=("bf16", "fp32"))
     messages = []
-    for kwargs in ({"dtypes": ["int8"]}, {"dtypes": []}, {"max_bytes": 8.5},
-                   {"budget_s": 0}, {"budget_s": float("nan")}):
+    for kwargs in (
+        {"dtypes": ["int8"]},
+        {"dtypes": []},
+        {"max_bytes": 8.5},
+        {"budget_s": 0},
+        {"budget_s": float("nan")},
+    ):
         try:
             ar.tune(**kwargs)
             messages.append(f"accepted {kwargs}")
@@ -321,8 +359,10 @@ def _bad_arguments(rank: int, world: int) -> List[str]:
 
 def test_bad_tune_arguments_raise_before_any_exchange_saying_what_was_expected(clean_shm):
     messages = run_ranks(_bad_arguments, 2).values()[0]
-    assert "expected a non-empty subset of the communicator's dtypes ['bf16', 'fp32']" in \
-        messages[0] and "int8" in messages[0]
+    assert (
+        "expected a non-empty subset of the communicator's dtypes ['bf16', 'fp32']" in messages[0]
+        and "int8" in messages[0]
+    )
     assert "expected a non-empty subset" in messages[1]
     assert "max_bytes=8.5" in messages[2] and "whole number of bytes" in messages[2]
     assert all("positive number of seconds" in m for m in messages[3:])
@@ -342,13 +382,19 @@ def _replace_table(rank: int, world: int) -> Dict[str, Any]:
     kept = (ar.chosen_tactic(x), ar.stats()["table_source"])
     # A first row the workspace cannot run (blocks above the host cap) is skipped; then the
     # wildcard row decides.
-    ar.install_table("host,2,bf16,0,*,twoshot,push,0,64,32\n*,*,*,0,*,twoshot,pull,1,2,32\n",
-                      "replacement")
+    ar.install_table(
+        "host,2,bf16,0,*,twoshot,push,0,64,32\n*,*,*,0,*,twoshot,pull,1,2,32\n", "replacement"
+    )
     after = ar.chosen_tactic(x)
     total = ar.all_reduce(x)
     ar.destroy()
-    return {"before": before, "refused": refused, "kept": kept, "after": after,
-            "sum_ok": bool(torch.equal(total, torch.full((512,), 3.0, dtype=torch.bfloat16)))}
+    return {
+        "before": before,
+        "refused": refused,
+        "kept": kept,
+        "after": after,
+        "sum_ok": bool(torch.equal(total, torch.full((512,), 3.0, dtype=torch.bfloat16))),
+    }
 
 
 def test_a_replaced_table_takes_the_next_call_and_a_bad_one_keeps_the_old(clean_shm):
@@ -402,8 +448,7 @@ def _rounds_under(rank: int, world: int, cache_dir: str, budget_s: float) -> Lis
     from pcie_allreduce import PcieAllReduce
 
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
-    report = ar.tune(dtypes=["bf16"], force=True, max_bytes=4096, budget_s=budget_s,
-                     progress=False)
+    report = ar.tune(dtypes=["bf16"], force=True, max_bytes=4096, budget_s=budget_s, progress=False)
     ar.destroy()
     return [c["rounds"] for c in report["choices"]]
 

@@ -92,8 +92,19 @@ FUNCTION = re.compile(r"^\s*Function : (\S+)")
 REG = re.compile(r"\bR(\d+)\b")
 ADDRESS = re.compile(r"\[(R\d+)(?:\.64)?(?:\s*\+\s*(0x[0-9a-f]+|\d+))?\]\s*$")
 STORE = re.compile(r"^(ST[GSL]?|ATOMS?|ATOMG|RED[GE]?)(\.|$)")
-SEPARATOR_OPS = ("EXIT", "RET", "CALL", "BPT", "BAR", "MEMBAR", "FENCE", "ERRBAR", "WARPSYNC",
-                 "BRK", "KILL")
+SEPARATOR_OPS = (
+    "EXIT",
+    "RET",
+    "CALL",
+    "BPT",
+    "BAR",
+    "MEMBAR",
+    "FENCE",
+    "ERRBAR",
+    "WARPSYNC",
+    "BRK",
+    "KILL",
+)
 MOVES = ("MOV", "IMAD.MOV", "IMAD.MOV.U32")
 # How many registers the first operand of these writes (the rest write one).
 WIDE = ((".128", 4), (".64", 2), ("IMAD.WIDE", 2), ("LDC.64", 2), ("CS2R", 2))
@@ -152,9 +163,16 @@ def parse(sass: str) -> dict[tuple[str, str], list[Insn]]:
             continue
         if current is not None and (m := INSN.match(line)):
             args = [a.strip() for a in m.group(4).split(",")] if m.group(4).strip() else []
-            current.append(Insn(int(m.group(1), 16), m.group(2) or "", m.group(3), args,
-                                f"/*{m.group(1)}*/ {(m.group(2) or '') + ' '}{m.group(3)} "
-                                f"{m.group(4).strip()}".replace("  ", " ")))
+            current.append(
+                Insn(
+                    int(m.group(1), 16),
+                    m.group(2) or "",
+                    m.group(3),
+                    args,
+                    f"/*{m.group(1)}*/ {(m.group(2) or '') + ' '}{m.group(3)} "
+                    f"{m.group(4).strip()}".replace("  ", " "),
+                )
+            )
     return out
 
 
@@ -200,8 +218,9 @@ def windows(insns: list[Insn]) -> list[Window]:
         compared = set().union(*(reads for _, _, reads in empty_compares))
         w.dense = [(k, i) for k, i in sys_loads if id(i) not in paired and id(i) in compared]
         dense_ids = {id(i) for _, i in w.dense}
-        w.first_dense_compare = next(((k, i) for k, i, reads in empty_compares
-                                      if reads & dense_ids), None)
+        w.first_dense_compare = next(
+            ((k, i) for k, i, reads in empty_compares if reads & dense_ids), None
+        )
         if w.pairs or len(w.dense) >= 2:
             found.append(w)
         w = Window()
@@ -227,12 +246,18 @@ def windows(insns: list[Insn]) -> list[Window]:
             sys_loads.append((index, i))
         if is_ll_load(i) and (m := ADDRESS.search(i.args[-1])):
             base, offset = m.group(1), int(m.group(2) or "0", 0)
-            lo = next((x for x in open_lo if x[1] == base and x[2] == offset - 0x10 and
-                       x[0].pred == i.pred), None)
+            lo = next(
+                (
+                    x
+                    for x in open_lo
+                    if x[1] == base and x[2] == offset - 0x10 and x[0].pred == i.pred
+                ),
+                None,
+            )
             if lo is not None:
                 open_lo.remove(lo)
                 w.pairs.append(Pair(lo[0], i, index))
-                for d in (lo[0].dests()[1::2] + i.dests()[1::2]):
+                for d in lo[0].dests()[1::2] + i.dests()[1::2]:
                     tags[d] = i.pred
                 for d in i.dests():
                     loaded[d] = id(i)
@@ -312,11 +337,21 @@ def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
     multi = [w for w in found if len(w.pairs) >= 2]
     late = [w for w in multi if w.first_compare and w.first_compare[0] < w.pairs[-1].index]
     dense = [w for w in found if len(w.dense) >= 2]
-    dense_late = [w for w in dense
-                  if w.first_dense_compare and w.first_dense_compare[0] < w.dense[-1][0]]
-    return Report(arch, kernel, lmem, len(multi), max((len(w.pairs) for w in multi), default=0),
-                  late, len(dense), max((len(w.dense) for w in dense), default=0), dense_late,
-                  fanouts(insns))
+    dense_late = [
+        w for w in dense if w.first_dense_compare and w.first_dense_compare[0] < w.dense[-1][0]
+    ]
+    return Report(
+        arch,
+        kernel,
+        lmem,
+        len(multi),
+        max((len(w.pairs) for w in multi), default=0),
+        late,
+        len(dense),
+        max((len(w.dense) for w in dense), default=0),
+        dense_late,
+        fanouts(insns),
+    )
 
 
 def is_push(kernel: str) -> bool:
@@ -349,8 +384,10 @@ def excerpt(w: Window, dense: bool = False) -> str:
 def find_cuobjdump(tools: Path) -> Path:
     hits = sorted(p for p in tools.rglob("cuobjdump") if p.is_file() and p.parent.name == "bin")
     if not hits:
-        sys.stderr.write(f"check_sass: no bin/cuobjdump under {tools}: run .ci/setup (it installs "
-                         "the PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm there)\n")
+        sys.stderr.write(
+            f"check_sass: no bin/cuobjdump under {tools}: run .ci/setup (it installs "
+            "the PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm there)\n"
+        )
         sys.exit(2)
     return hits[-1]
 
@@ -359,8 +396,17 @@ def compile_objects(nvcc: str, csrc: Path, archs: list[str], into: Path) -> list
     objects = []
     for arch in archs:
         obj = into / f"launch_sm{arch}.o"
-        cmd = [nvcc, "-std=c++20", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-               f"-I{csrc}", "-c", str(csrc / LAUNCH), "-o", str(obj)]
+        cmd = [
+            nvcc,
+            "-std=c++20",
+            "-O3",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            f"-I{csrc}",
+            "-c",
+            str(csrc / LAUNCH),
+            "-o",
+            str(obj),
+        ]
         done = subprocess.run(cmd, text=True, capture_output=True)
         if done.returncode != 0:
             sys.stderr.write(f"check_sass: {' '.join(cmd)} failed:\n{done.stderr[-4000:]}\n")
@@ -371,17 +417,28 @@ def compile_objects(nvcc: str, csrc: Path, archs: list[str], into: Path) -> list
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tools", type=Path, required=True,
-                        help="where .ci/setup unpacked the cuobjdump and nvdisasm wheels")
-    parser.add_argument("--object", action="append", default=[],
-                        help="an object holding the executor (repeatable; ';'-separated lists too)")
+    parser.add_argument(
+        "--tools",
+        type=Path,
+        required=True,
+        help="where .ci/setup unpacked the cuobjdump and nvdisasm wheels",
+    )
+    parser.add_argument(
+        "--object",
+        action="append",
+        default=[],
+        help="an object holding the executor (repeatable; ';'-separated lists too)",
+    )
     parser.add_argument("--compile", action="store_true", help="compile launch.cu instead")
     parser.add_argument("--arch", action="append", default=[], help="with --compile: 90, 120, ...")
     parser.add_argument("--csrc", type=Path, default=ROOT / "csrc", help="with --compile")
     parser.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="with --compile")
-    parser.add_argument("--order-archs", default="",
-                        help="comma-separated architectures (90, sm_90) where a serial first look "
-                        "fails the check (default: every one); elsewhere it is only reported")
+    parser.add_argument(
+        "--order-archs",
+        default="",
+        help="comma-separated architectures (90, sm_90) where a serial first look "
+        "fails the check (default: every one); elsewhere it is only reported",
+    )
     args = parser.parse_args()
     start = time.monotonic()
     cuobjdump = find_cuobjdump(args.tools)
@@ -389,32 +446,45 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.compile:
-            objects = compile_objects(args.nvcc, args.csrc.resolve(), args.arch or ["90", "120"],
-                                      Path(tmp))
+            objects = compile_objects(
+                args.nvcc, args.csrc.resolve(), args.arch or ["90", "120"], Path(tmp)
+            )
         else:
-            objects = [Path(o) for a in args.object for o in a.split(";")
-                       if o and (";" not in a or "launch.cu" in Path(o).name)]
+            objects = [
+                Path(o)
+                for a in args.object
+                for o in a.split(";")
+                if o and (";" not in a or "launch.cu" in Path(o).name)
+            ]
         if not objects:
-            sys.stderr.write("check_sass: no object to check (no --object, or a list without "
-                             "launch.cu's object, and no --compile)\n")
+            sys.stderr.write(
+                "check_sass: no object to check (no --object, or a list without "
+                "launch.cu's object, and no --compile)\n"
+            )
             return 2
         kernels: dict[tuple[str, str], list[Insn]] = {}
         for obj in objects:
             if not obj.is_file():
                 sys.stderr.write(f"check_sass: {obj} does not exist (build the project first)\n")
                 return 2
-            done = subprocess.run([str(cuobjdump), "-sass", str(obj)], text=True,
-                                  capture_output=True, env=env)
+            done = subprocess.run(
+                [str(cuobjdump), "-sass", str(obj)], text=True, capture_output=True, env=env
+            )
             if done.returncode != 0:
                 sys.stderr.write(f"check_sass: cuobjdump -sass {obj} failed:\n{done.stderr}\n")
                 return 2
             kernels |= parse(done.stdout)
 
     if not kernels:
-        sys.stderr.write("check_sass: no executor_kernel in the SASS: the heuristic needs updating\n")
+        sys.stderr.write(
+            "check_sass: no executor_kernel in the SASS: the heuristic needs updating\n"
+        )
         return 2
-    enforced = {a.strip() if a.strip().startswith("sm_") else f"sm_{a.strip()}"
-                for a in args.order_archs.split(",") if a.strip()}
+    enforced = {
+        a.strip() if a.strip().startswith("sm_") else f"sm_{a.strip()}"
+        for a in args.order_archs.split(",")
+        if a.strip()
+    }
     failed, blind, reported = False, False, 0
     for (arch, kernel), insns in sorted(kernels.items()):
         r = check(arch, kernel, insns)
@@ -426,36 +496,53 @@ def main() -> int:
         push = is_push(kernel)
         if push and r.looks == 0:
             blind = True
-            verdict.append("NO LL FIRST LOOK FOUND (two or more LL load pairs in one window): "
-                           "the heuristic needs updating")
+            verdict.append(
+                "NO LL FIRST LOOK FOUND (two or more LL load pairs in one window): "
+                "the heuristic needs updating"
+            )
         if push and r.dense_looks == 0:
             blind = True
-            verdict.append("NO LAMPORT FIRST LOOK FOUND (two or more lamport loads in one "
-                           "window): the heuristic needs updating")
+            verdict.append(
+                "NO LAMPORT FIRST LOOK FOUND (two or more lamport loads in one "
+                "window): the heuristic needs updating"
+            )
         narrow = [k for k, w in r.fanout.items() if w < MAX_FANOUT]
         if push and narrow:
             failed = True
-            verdict.append(f"FAIL delivery: no loop stores one load to {MAX_FANOUT} destinations "
-                           f"({', '.join(f'{k} {r.fanout[k]}' for k in narrow)} at most)")
+            verdict.append(
+                f"FAIL delivery: no loop stores one load to {MAX_FANOUT} destinations "
+                f"({', '.join(f'{k} {r.fanout[k]}' for k in narrow)} at most)"
+            )
         if not push and (r.looks or r.dense_looks):
             failed = True
             verdict.append("FAIL a pull kernel holds LL code (LL and lamport are push-only)")
-        for late, looks, what in ((r.late, r.looks, "a tag compare comes before the group's last "
-                                   "LL load"),
-                                  (r.dense_late, r.dense_looks, "an empty-word compare comes "
-                                   "before the group's last lamport load")):
+        for late, looks, what in (
+            (r.late, r.looks, "a tag compare comes before the group's last LL load"),
+            (
+                r.dense_late,
+                r.dense_looks,
+                "an empty-word compare comes before the group's last lamport load",
+            ),
+        ):
             if late:
                 failed |= enforce
                 reported += not enforce
-                verdict.append(f"{'FAIL' if enforce else 'REPORTED (not enforced on ' + arch + ')'}"
-                               f" serial first look: in {len(late)} of {looks} first looks {what}")
+                verdict.append(
+                    f"{'FAIL' if enforce else 'REPORTED (not enforced on ' + arch + ')'}"
+                    f" serial first look: in {len(late)} of {looks} first looks {what}"
+                )
         status = "; ".join(verdict) if verdict else "ok"
-        looks = (f"first looks with 2+ operands: LL {r.looks} (widest {r.widest}), lamport "
-                 f"{r.dense_looks} (widest {r.dense_widest}); delivery fan-out plain "
-                 f"{r.fanout['plain']}, volatile {r.fanout['volatile']}" if push
-                 else "no LL code (pull)")
-        print(f"{arch:7} {short(kernel):32} {len(insns):6} insns, no LDL/STL: "
-              f"{'no' if r.lmem else 'yes'}, {looks} -> {status}")
+        looks = (
+            f"first looks with 2+ operands: LL {r.looks} (widest {r.widest}), lamport "
+            f"{r.dense_looks} (widest {r.dense_widest}); delivery fan-out plain "
+            f"{r.fanout['plain']}, volatile {r.fanout['volatile']}"
+            if push
+            else "no LL code (pull)"
+        )
+        print(
+            f"{arch:7} {short(kernel):32} {len(insns):6} insns, no LDL/STL: "
+            f"{'no' if r.lmem else 'yes'}, {looks} -> {status}"
+        )
         if r.late:
             print(excerpt(r.late[0]))
         if r.dense_late:
@@ -469,10 +556,16 @@ def main() -> int:
         return 2
     seen = {arch for arch, _ in kernels}
     where = f" on {', '.join(sorted(seen & enforced))}" if enforced else ""
-    note = f"; {reported} kernels with a serial first look where it is not enforced" if reported else ""
-    print(f"check_sass: passed: {len(kernels)} executor kernels, no local memory, every LL and "
-          f"lamport first look issues all its loads before its first compare{where}{note}, "
-          f"delivery loads once for up to {MAX_FANOUT} destinations ({seconds:.1f} s)")
+    note = (
+        f"; {reported} kernels with a serial first look where it is not enforced"
+        if reported
+        else ""
+    )
+    print(
+        f"check_sass: passed: {len(kernels)} executor kernels, no local memory, every LL and "
+        f"lamport first look issues all its loads before its first compare{where}{note}, "
+        f"delivery loads once for up to {MAX_FANOUT} destinations ({seconds:.1f} s)"
+    )
     return 0
 
 

@@ -44,23 +44,25 @@ def ineligible(group_name: Optional[str], world_size: int) -> Optional[str]:
     return None
 
 
-def size_workspace(engine: str, *, max_bs: Optional[int], draft_tokens: Optional[int],
-                   hidden: Optional[int]) -> policy.Sizing:
+def size_workspace(
+    engine: str, *, max_bs: Optional[int], draft_tokens: Optional[int], hidden: Optional[int]
+) -> policy.Sizing:
     """PCIE_ALLREDUCE_MAX_NUMEL wins; else decode CUDA-graph max batch x draft tokens (1
     without speculation) x hidden; else a guess, announced in one warning. The numbers follow
     ``policy.size_workspace``; ``how`` says it in the engine's terms."""
     draft = draft_tokens if draft_tokens and draft_tokens > 0 else 1
     width = hidden if hidden and hidden > 0 else None
     rows = max_bs * draft if max_bs and max_bs > 0 and width else None
-    s = policy.size_workspace(from_env=env_mod.read_env().max_numel, hidden=width,
-                              max_rows=rows)
+    s = policy.size_workspace(from_env=env_mod.read_env().max_numel, hidden=width, max_rows=rows)
     if s.source == "hidden x max_rows":
         how = f"{engine}: decode max batch {max_bs} x {draft} token(s) per request: {s.how}"
     elif s.guessed:
-        missing = " and ".join(n for n, v in (("the decode max batch", max_bs),
-                                              ("the hidden size", hidden)) if not v)
-        how = (f"{engine}: could not read {missing}; {s.how} (set PCIE_ALLREDUCE_MAX_NUMEL to "
-               "size it)")
+        missing = " and ".join(
+            n for n, v in (("the decode max batch", max_bs), ("the hidden size", hidden)) if not v
+        )
+        how = (
+            f"{engine}: could not read {missing}; {s.how} (set PCIE_ALLREDUCE_MAX_NUMEL to size it)"
+        )
         logger.warning("pcie_allreduce: %s", how)
     else:
         how = s.how
@@ -75,8 +77,13 @@ def deterministic_table(transport: str) -> str:
     return f"*,*,*,0,*,oneshot,push,0,{blocks},{threads}\n"
 
 
-def warm_up(ar: Any, *, engine_autotune_disabled: bool, hidden: Optional[int] = None,
-            max_rows: Optional[int] = None) -> Dict[str, Any]:
+def warm_up(
+    ar: Any,
+    *,
+    engine_autotune_disabled: bool,
+    hidden: Optional[int] = None,
+    max_rows: Optional[int] = None,
+) -> Dict[str, Any]:
     """Before graph capture and outside any engine autotune pass: tunes once when this host has
     no cache (unless the engine's or our disable-autotune flag is set, or the table was given),
     then installs every program a captured call could need."""
@@ -91,8 +98,9 @@ def warm_up(ar: Any, *, engine_autotune_disabled: bool, hidden: Optional[int] = 
     else:
         try:
             report = ar.tune(budget_s=WARMUP_TUNE_BUDGET_S)
-            outcome.update(tuned=report["status"] == "tuned", measured=report["measured"],
-                           path=report["path"])
+            outcome.update(
+                tuned=report["status"] == "tuned", measured=report["measured"], path=report["path"]
+            )
         except TuneRefused as error:
             outcome["why_not_tuned"] = str(error)
         except TuneError as error:
@@ -108,8 +116,9 @@ class CollectiveDeclines:
     its own reduce_scatter/all_gather, in ``stats()["collectives"]``)."""
 
     def __init__(self) -> None:
-        self.counts: Dict[str, collections.Counter] = {c: collections.Counter()
-                                                       for c in COLLECTIVES}
+        self.counts: Dict[str, collections.Counter] = {
+            c: collections.Counter() for c in COLLECTIVES
+        }
 
     def add(self, collective: str, reason: str) -> int:
         """Counts one decline; returns how many of that (collective, reason) came before."""
@@ -120,8 +129,10 @@ class CollectiveDeclines:
     def merge_into(self, stats: Dict[str, Any]) -> None:
         """Adds these declines to ``stats["collectives"][c]["declines"]`` (the communicator's
         layout: only collectives and reasons with nonzero counts are present)."""
-        merged = {c: {k: dict(v) for k, v in (entry or {}).items()}
-                  for c, entry in (stats.get("collectives") or {}).items()}
+        merged = {
+            c: {k: dict(v) for k, v in (entry or {}).items()}
+            for c, entry in (stats.get("collectives") or {}).items()
+        }
         for c, counter in self.counts.items():
             for reason, n in counter.items():
                 if n:
@@ -153,7 +164,7 @@ def gathered_along(gathered: Any, world: int, size: Any, dim: int) -> Any:
     if dim == 0:
         return gathered
     out = gathered.reshape((world,) + tuple(size)).movedim(0, dim)
-    return out.reshape(tuple(size[:dim]) + (world * size[dim],) + tuple(size[dim + 1:]))
+    return out.reshape(tuple(size[:dim]) + (world * size[dim],) + tuple(size[dim + 1 :]))
 
 
 def collectives_summary(stats: Dict[str, Any]) -> str:
@@ -166,8 +177,10 @@ def collectives_summary(stats: Dict[str, Any]) -> str:
         if not calls and not declines:
             continue
         for what, counts in (("calls", calls), ("declines", declines)):
-            parts.append(f"; {c} {what}: " + (", ".join(
-                f"{k} {v}" for k, v in sorted(counts.items())) or "none"))
+            parts.append(
+                f"; {c} {what}: "
+                + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")
+            )
     return "".join(parts)
 
 
@@ -177,10 +190,13 @@ def summary_line(ar: Any, group: str = TP_GROUP_NAME) -> str:
     calls = ", ".join(f"{k} {v}" for k, v in sorted(s["calls"].items())) or "none"
     declines = ", ".join(f"{k} {v}" for k, v in sorted(s["declines"].items())) or "none"
     state = "enabled" if s["enabled"] else f"disabled ({s['disabled_reason']})"
-    line = (f"pcie_allreduce[{group} rank {ar.rank}/{ar.world_size}]: {state}; calls: {calls}; "
-            f"declines: {declines}; staged {s['staged']}; table: {s['table_source']}")
+    line = (
+        f"pcie_allreduce[{group} rank {ar.rank}/{ar.world_size}]: {state}; calls: {calls}; "
+        f"declines: {declines}; staged {s['staged']}; table: {s['table_source']}"
+    )
     routed, fused_declines = s.get("fused_routed", 0), s.get("fused_declines") or {}
     if routed or fused_declines:  # the engine's fused all-reduce + residual add + RMSNorm
-        line += f"; fused add+rms_norm: {routed} routed, declines: " + (", ".join(
-            f"{k} {v}" for k, v in sorted(fused_declines.items())) or "none")
+        line += f"; fused add+rms_norm: {routed} routed, declines: " + (
+            ", ".join(f"{k} {v}" for k, v in sorted(fused_declines.items())) or "none"
+        )
     return line + collectives_summary(s)

@@ -81,13 +81,14 @@ logger = logging.getLogger("pcie_allreduce")
 HOOK_TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
 # Where every dim-0 reduce-scatter and all-gather of a group meets (why: _reduce_scatter_hook).
 REDUCE_SCATTER_TARGET = (
-    "sglang.srt.distributed.parallel_state.GroupCoordinator._reduce_scatter_tensor")
-ALL_GATHER_TARGET = (
-    "sglang.srt.distributed.parallel_state.GroupCoordinator._all_gather_into_tensor")
+    "sglang.srt.distributed.parallel_state.GroupCoordinator._reduce_scatter_tensor"
+)
+ALL_GATHER_TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator._all_gather_into_tensor"
 # SGLang's fused all-reduce + residual add + RMSNorm call site, and the gate that offers it.
 FUSED_TARGET = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
 FUSION_GATE_TARGET = (
-    "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies")
+    "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies"
+)
 UPSTREAM_FLAG = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
 NOT_PREPARED = "not_prepared"  # a capture reached the slot before the communicator was built
 
@@ -105,9 +106,12 @@ def register() -> None:
     except Exception as error:  # noqa: BLE001 - any import failure means: not on this SGLang
         # As vLLM's register() does: a plugin the operator enabled says why it does nothing,
         # and the server it was loaded into keeps running.
-        logger.warning("pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 but SGLang's plugin hooks "
-                       "cannot be imported (%s: %s); SGLang keeps its own all-reduce",
-                       type(error).__name__, error)
+        logger.warning(
+            "pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 but SGLang's plugin hooks "
+            "cannot be imported (%s: %s); SGLang keeps its own all-reduce",
+            type(error).__name__,
+            error,
+        )
         return
 
     HookRegistry.register(HOOK_TARGET, _after_group_init, HookType.AFTER)
@@ -123,8 +127,7 @@ def _after_group_init(result: Any, coordinator: Any, *args: Any, **kwargs: Any) 
     name = _group_name(coordinator, args, kwargs)
     why_not = common.ineligible(name, int(coordinator.world_size))
     if why_not is not None:
-        logger.debug("pcie_allreduce: no communicator for %s: %s", coordinator.unique_name,
-                     why_not)
+        logger.debug("pcie_allreduce: no communicator for %s: %s", coordinator.unique_name, why_not)
         return None
     if isinstance(coordinator.pcie_ipc_comm, SglangPcieAllReduce):
         return None
@@ -169,7 +172,11 @@ def _take_over_from_upstream(coordinator: Any, theirs: Any) -> None:
         logger.warning(
             "pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 and %s=1 both ask for the %s PCIe-IPC "
             "all-reduce slot; pcie_allreduce owns it (the explicit PCIE_ALLREDUCE_ENABLE=1 "
-            "wins); %s", UPSTREAM_FLAG, coordinator.unique_name, fate)
+            "wins); %s",
+            UPSTREAM_FLAG,
+            coordinator.unique_name,
+            fate,
+        )
 
 
 # ------------------------------------------------------------------ reduce-scatter, all-gather
@@ -203,8 +210,9 @@ def _output_input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tup
     return values["output"], values["input"]
 
 
-def _reduce_scatter_hook(original: Callable[..., Any], coordinator: Any, *args: Any,
-                         **kwargs: Any) -> Any:
+def _reduce_scatter_hook(
+    original: Callable[..., Any], coordinator: Any, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND ``GroupCoordinator._reduce_scatter_tensor(output, input)``."""
     slot = getattr(coordinator, "pcie_ipc_comm", None)
     if isinstance(slot, SglangPcieAllReduce):
@@ -214,8 +222,9 @@ def _reduce_scatter_hook(original: Callable[..., Any], coordinator: Any, *args: 
     return original(coordinator, *args, **kwargs)
 
 
-def _all_gather_hook(original: Callable[..., Any], coordinator: Any, *args: Any,
-                     **kwargs: Any) -> Any:
+def _all_gather_hook(
+    original: Callable[..., Any], coordinator: Any, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND ``GroupCoordinator._all_gather_into_tensor(output, input)``."""
     slot = getattr(coordinator, "pcie_ipc_comm", None)
     if isinstance(slot, SglangPcieAllReduce):
@@ -242,8 +251,7 @@ def _tp_slot() -> Optional["SglangPcieAllReduce"]:
     return slot if isinstance(slot, SglangPcieAllReduce) else None
 
 
-def _fusion_gate(original: Callable[..., bool], batch_size: Any, *args: Any,
-                 **kwargs: Any) -> bool:
+def _fusion_gate(original: Callable[..., bool], batch_size: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``flashinfer_ar_fusion_applies(batch_size)``: SGLang's answer, or True where our
     communicator can take the fused call instead (``SglangPcieAllReduce.offers_fusion``)."""
     global _ENGINE_GATE
@@ -277,8 +285,9 @@ def _fused_call(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
     slot = getattr(coordinator, "pcie_ipc_comm", None)
     if isinstance(slot, SglangPcieAllReduce):
-        fused = slot.fused_add_rms_norm(call["input_tensor"], call["residual"], call["weight"],
-                                        call["eps"])
+        fused = slot.fused_add_rms_norm(
+            call["input_tensor"], call["residual"], call["weight"], call["eps"]
+        )
         if fused is not None:
             return fused
         rows = call["input_tensor"].shape[0] if call["input_tensor"].dim() else 0
@@ -296,7 +305,8 @@ def _fusion_off_reason(deterministic: bool) -> Optional[str]:
         return "deterministic inference (SGLang turns its all-reduce fusion off there too)"
     enforce_off, _ = _read_config(
         "get_exec().comm.enforce_disable_flashinfer_allreduce_fusion",
-        lambda: get_exec().comm.enforce_disable_flashinfer_allreduce_fusion)
+        lambda: get_exec().comm.enforce_disable_flashinfer_allreduce_fusion,
+    )
     if enforce_off:
         return "--enforce-disable-flashinfer-allreduce-fusion"
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
@@ -322,8 +332,9 @@ def _read_config(path: str, read: Callable[[], Any]) -> Tuple[Any, Optional[str]
     except ValueError as error:
         return None, f"SGLang's config is not published ({error})"
     except AttributeError as error:
-        logger.warning("pcie_allreduce: cannot read SGLang's %s (%s); going on without it",
-                       path, error)
+        logger.warning(
+            "pcie_allreduce: cannot read SGLang's %s (%s); going on without it", path, error
+        )
         return None, f"SGLang's config has no {path}"
 
 
@@ -332,12 +343,15 @@ def _decode_width() -> Tuple[Optional[int], Optional[int], str]:
     from SGLang's published config; (None, None, why) before it is published."""
     from sglang.srt.runtime_context import get_exec, get_spec
 
-    graphs, problem = _read_config("get_exec().graph.cuda_graph_config",
-                                   lambda: get_exec().graph.cuda_graph_config)
+    graphs, problem = _read_config(
+        "get_exec().graph.cuda_graph_config", lambda: get_exec().graph.cuda_graph_config
+    )
     if problem:
         return None, None, problem
-    max_bs, problem = _read_config("cuda_graph_config.decode.max_bs",
-                                   lambda: graphs.decode.max_bs if graphs is not None else None)
+    max_bs, problem = _read_config(
+        "cuda_graph_config.decode.max_bs",
+        lambda: graphs.decode.max_bs if graphs is not None else None,
+    )
     spec, spec_problem = _read_config("get_spec()", get_spec)
     draft = None
     if spec is not None and spec.speculative_algorithm:
@@ -363,16 +377,20 @@ def _deterministic(engine_rule_fn: Callable[[], bool]) -> Tuple[bool, str]:
         return engine_rule, f"SGLANG_USE_1STAGE_ALLREDUCE={int(engine_rule)}"
     if engine_rule:
         return True, "SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1"
-    published, _ = _read_config("get_exec().deterministic.enable_deterministic_inference",
-                                lambda: get_exec().deterministic.enable_deterministic_inference)
+    published, _ = _read_config(
+        "get_exec().deterministic.enable_deterministic_inference",
+        lambda: get_exec().deterministic.enable_deterministic_inference,
+    )
     return bool(published), "--enable-deterministic-inference" if published else "off"
 
 
 def _engine_autotune_disabled() -> bool:
     from sglang.srt.runtime_context import get_exec
 
-    disabled, _ = _read_config("get_exec().kernel.disable_flashinfer_autotune",
-                               lambda: get_exec().kernel.disable_flashinfer_autotune)
+    disabled, _ = _read_config(
+        "get_exec().kernel.disable_flashinfer_autotune",
+        lambda: get_exec().kernel.disable_flashinfer_autotune,
+    )
     return bool(disabled)
 
 
@@ -428,8 +446,9 @@ class SglangPcieAllReduce:
             return True
         return self._ar is not None and not self._ar.enabled
 
-    def prepare(self, hidden: Optional[int] = None, max_rows: Optional[int] = None
-                ) -> Dict[str, Any]:
+    def prepare(
+        self, hidden: Optional[int] = None, max_rows: Optional[int] = None
+    ) -> Dict[str, Any]:
         """Called by SGLang's runner on every rank before graph capture (collective): builds
         the communicator if needed, tunes once on a host without a cache, installs every
         program a captured call could need. Returns the warm-up outcome."""
@@ -442,8 +461,11 @@ class SglangPcieAllReduce:
         rows = max_rows or self._rows_from_config()
         ready = (hidden, rows) if hidden and rows else (None, None)
         self.warm_up_outcome = common.warm_up(
-            self._ar, engine_autotune_disabled=_engine_autotune_disabled(), hidden=ready[0],
-            max_rows=ready[1])
+            self._ar,
+            engine_autotune_disabled=_engine_autotune_disabled(),
+            hidden=ready[0],
+            max_rows=ready[1],
+        )
         return self.warm_up_outcome
 
     def should_pcie_ipc_ar(self, inp: torch.Tensor) -> bool:
@@ -477,9 +499,13 @@ class SglangPcieAllReduce:
         self._destroyed = True
         self._bracket_capture(False)
         if self._ar is None:
-            logger.info("pcie_allreduce[%s rank %d/%d]: never built (%s)", self.group_name,
-                        self.rank, self.world_size,
-                        self._failed or "no prepare() and no reduction reached it")
+            logger.info(
+                "pcie_allreduce[%s rank %d/%d]: never built (%s)",
+                self.group_name,
+                self.rank,
+                self.world_size,
+                self._failed or "no prepare() and no reduction reached it",
+            )
             return
         line = common.summary_line(self, self.group_name)
         (logger.info if self._ar.enabled else logger.warning)("%s", line)
@@ -494,21 +520,25 @@ class SglangPcieAllReduce:
         if self._ar is None or self.disabled:
             return False
         if self._fusion_off is None:
-            reason = _fusion_off_reason(bool(self.deterministic
-                                             and self.deterministic.startswith("on")))
+            reason = _fusion_off_reason(
+                bool(self.deterministic and self.deterministic.startswith("on"))
+            )
             self._fusion_off = (reason,)
             if reason is not None and self.rank == 0:
-                logger.info("pcie_allreduce: %s keeps SGLang's unfused all-reduce + RMSNorm: %s",
-                            self.group_name, reason)
+                logger.info(
+                    "pcie_allreduce: %s keeps SGLang's unfused all-reduce + RMSNorm: %s",
+                    self.group_name,
+                    reason,
+                )
         if self._fusion_off[0] is not None:
             return False
         if not batch_size > 0:
             return False
         return self.hidden is None or batch_size * self.hidden <= self.max_numel
 
-    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
-                           weight: torch.Tensor, eps: float
-                           ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """FlashInfer's contract: ``(norm_out, residual_out)``, both new tensors, with
         ``residual_out = sum_ranks(x) + residual`` (``residual`` itself untouched); None when
         the kernels do not take it (counted under ``fused_declines``), so SGLang's own path
@@ -521,9 +551,14 @@ class SglangPcieAllReduce:
             count = self._fused_declines.get(reason, 0)
             self._fused_declines[reason] = count + 1
             if count == 0 and self.rank == 0:
-                logger.info("pcie_allreduce: %s declines fused all-reduce + RMSNorm calls "
-                            "(%s; first: %s %s); they stay on SGLang's path", self.group_name,
-                            reason, tuple(x.shape), x.dtype)
+                logger.info(
+                    "pcie_allreduce: %s declines fused all-reduce + RMSNorm calls "
+                    "(%s; first: %s %s); they stay on SGLang's path",
+                    self.group_name,
+                    reason,
+                    tuple(x.shape),
+                    x.dtype,
+                )
             return None
         self._fused_routed += 1
         return self._ar.all_reduce_add_rms_norm(x, residual, weight, eps)
@@ -534,8 +569,13 @@ class SglangPcieAllReduce:
         take it (True: ``output`` holds this rank's rows of the sum); False leaves the call to
         SGLang (counted under ``stats()["collectives"]["reduce_scatter"]["declines"]``)."""
         world = self.world_size
-        if (inp.dim() == 0 or inp.shape[0] % world or output.numel() * world != inp.numel()
-                or output.dtype != inp.dtype or output.device != inp.device):
+        if (
+            inp.dim() == 0
+            or inp.shape[0] % world
+            or output.numel() * world != inp.numel()
+            or output.dtype != inp.dtype
+            or output.device != inp.device
+        ):
             self._collective_declines.add("reduce_scatter", common.SHAPE)
             return False
         if not self._admits(inp, "reduce_scatter"):
@@ -552,8 +592,12 @@ class SglangPcieAllReduce:
         take it (True: ``output`` holds every rank's ``inp``, rank-major); False leaves the
         call to SGLang (counted under ``stats()["collectives"]["all_gather"]["declines"]``)."""
         world = self.world_size
-        if (inp.dim() == 0 or output.numel() != world * inp.numel()
-                or output.dtype != inp.dtype or output.device != inp.device):
+        if (
+            inp.dim() == 0
+            or output.numel() != world * inp.numel()
+            or output.dtype != inp.dtype
+            or output.device != inp.device
+        ):
             self._collective_declines.add("all_gather", common.SHAPE)
             return False
         if not self._admits(inp, "all_gather"):
@@ -580,9 +624,15 @@ class SglangPcieAllReduce:
         reason = self._ar.collective_decline_reason(inp, collective)
         if reason is not None:
             if self._collective_declines.add(collective, reason) == 0 and self.rank == 0:
-                logger.info("pcie_allreduce: %s declines %s calls (%s; first: %s %s); they stay "
-                            "on SGLang's path", self.group_name, collective, reason,
-                            tuple(inp.shape), inp.dtype)
+                logger.info(
+                    "pcie_allreduce: %s declines %s calls (%s; first: %s %s); they stay "
+                    "on SGLang's path",
+                    self.group_name,
+                    collective,
+                    reason,
+                    tuple(inp.shape),
+                    inp.dtype,
+                )
             return False
         return True
 
@@ -595,9 +645,15 @@ class SglangPcieAllReduce:
         if self._ar is not None:
             s = self._ar.stats()
         else:
-            s = {"calls": {}, "declines": {}, "staged": 0, "captures": 0,
-                 "table_source": "none (not built)", "enabled": False,
-                 "disabled_reason": self._failed or "not built yet"}
+            s = {
+                "calls": {},
+                "declines": {},
+                "staged": 0,
+                "captures": 0,
+                "table_source": "none (not built)",
+                "enabled": False,
+                "disabled_reason": self._failed or "not built yet",
+            }
         declines = dict(s.get("declines", {}))
         for reason, count in self._declines.items():
             declines[reason] = declines.get(reason, 0) + count
@@ -631,29 +687,45 @@ class SglangPcieAllReduce:
         max_bs, draft, source = _decode_width()
         if not max_bs and max_rows:  # the runner's rows already count draft tokens
             max_bs, draft, source = max_rows, None, f"prepare(max_rows={max_rows}); {source}"
-        sizing = common.size_workspace("sglang", max_bs=max_bs, draft_tokens=draft,
-                                       hidden=hidden)
+        sizing = common.size_workspace("sglang", max_bs=max_bs, draft_tokens=draft, hidden=hidden)
         deterministic, why = _deterministic(self._engine_deterministic)
         transport = policy.CUDA_IPC if self.device.type == "cuda" else policy.HOST_SHM
         table = common.deterministic_table(transport) if deterministic else None
         try:
-            self._ar = PcieAllReduce(self._group, self.device, max_numel=sizing.max_numel,
-                                     table=table, cpu_group=self._cpu_group)
+            self._ar = PcieAllReduce(
+                self._group,
+                self.device,
+                max_numel=sizing.max_numel,
+                table=table,
+                cpu_group=self._cpu_group,
+            )
         except Exception as error:  # the group keeps SGLang's own path; say why, once
             self._failed = f"{type(error).__name__}: {error}"
-            logger.warning("pcie_allreduce: the %s communicator could not be built, so its "
-                           "reductions stay on SGLang's path: %s", self.group_name, self._failed)
+            logger.warning(
+                "pcie_allreduce: the %s communicator could not be built, so its "
+                "reductions stay on SGLang's path: %s",
+                self.group_name,
+                self._failed,
+            )
             return False
         self.sizing, self.max_numel = sizing, sizing.max_numel
         self.hidden = hidden if hidden and hidden > 0 else None
-        self.deterministic = f"on ({why}): oneshot at every size" if deterministic else \
-            f"off ({why})"
+        self.deterministic = (
+            f"on ({why}): oneshot at every size" if deterministic else f"off ({why})"
+        )
         if self.rank == 0 and not sizing.guessed:  # a guess was already announced
-            logger.info("pcie_allreduce: %s workspace %d elements: %s (%s)", self.group_name,
-                        sizing.max_numel, sizing.how, source)
+            logger.info(
+                "pcie_allreduce: %s workspace %d elements: %s (%s)",
+                self.group_name,
+                sizing.max_numel,
+                sizing.how,
+                source,
+            )
         if self.rank == 0 and deterministic:
-            logger.info("pcie_allreduce: deterministic inference (%s): one oneshot tactic at "
-                        "every size", why)
+            logger.info(
+                "pcie_allreduce: deterministic inference (%s): one oneshot tactic at every size",
+                why,
+            )
         return True
 
     def _bracket_capture(self, capturing: bool) -> None:
@@ -672,15 +744,28 @@ class SglangPcieAllReduce:
         self._declines[reason] = count + 1
         if count == 0 and self.rank == 0:
             if reason == NOT_PREPARED:
-                logger.warning("pcie_allreduce: a %s graph capture reached the slot before "
-                               "prepare() built the communicator; captured reductions stay on "
-                               "SGLang's path", self.group_name)
+                logger.warning(
+                    "pcie_allreduce: a %s graph capture reached the slot before "
+                    "prepare() built the communicator; captured reductions stay on "
+                    "SGLang's path",
+                    self.group_name,
+                )
             else:
-                logger.info("pcie_allreduce: %s declines %s reductions (first: %s %s); they "
-                            "stay on SGLang's path", self.group_name, reason,
-                            tuple(inp.shape), inp.dtype)
+                logger.info(
+                    "pcie_allreduce: %s declines %s reductions (first: %s %s); they "
+                    "stay on SGLang's path",
+                    self.group_name,
+                    reason,
+                    tuple(inp.shape),
+                    inp.dtype,
+                )
 
     def __repr__(self) -> str:
-        state = "destroyed" if self._destroyed else repr(self._ar) if self._ar else \
-            f"not built ({self._failed or 'waiting for prepare()'})"
+        state = (
+            "destroyed"
+            if self._destroyed
+            else repr(self._ar)
+            if self._ar
+            else f"not built ({self._failed or 'waiting for prepare()'})"
+        )
         return f"SglangPcieAllReduce({self.group_name} rank {self.rank}/{self.world_size}, {state})"

@@ -128,15 +128,21 @@ def read_config(config: Any) -> VllmSettings:
     captured = _positive(values["max_capture_tokens"])
     if captured is None and values["capture_sizes"]:
         captured = _positive(max(values["capture_sizes"]))
-    spec = (f"{s.draft_tokens} tokens per request (1 + {s.draft_tokens - 1} speculative)"
-            if s.draft_tokens > 1 else "1 token per request")
+    spec = (
+        f"{s.draft_tokens} tokens per request (1 + {s.draft_tokens - 1} speculative)"
+        if s.draft_tokens > 1
+        else "1 token per request"
+    )
     if captured is not None:
         s.max_bs = -(-captured // s.draft_tokens)
         s.batch_source = f"the largest CUDA graph holds {captured} tokens at {spec}"
     else:
         s.max_bs = _positive(values["max_num_seqs"])
-        s.batch_source = (f"no CUDA graph captured; scheduler max_num_seqs {s.max_bs} at {spec}"
-                          if s.max_bs else "no CUDA graph sizes and no max_num_seqs")
+        s.batch_source = (
+            f"no CUDA graph captured; scheduler max_num_seqs {s.max_bs} at {spec}"
+            if s.max_bs
+            else "no CUDA graph sizes and no max_num_seqs"
+        )
     # Only an explicit False: at -O0 or --no-enable-flashinfer-autotune vLLM skips its own
     # autotune for a fast start, and so does the warm-up.
     s.autotune_disabled = values["flashinfer_autotune"] is False
@@ -147,8 +153,9 @@ def read_config(config: Any) -> VllmSettings:
 def workspace_sizing(settings: VllmSettings) -> policy.Sizing:
     """PCIE_ALLREDUCE_MAX_NUMEL, else decode requests x (1 + speculative tokens) x hidden, else
     the announced guess (common.size_workspace)."""
-    return common.size_workspace("vllm", max_bs=settings.max_bs,
-                                 draft_tokens=settings.draft_tokens, hidden=settings.hidden)
+    return common.size_workspace(
+        "vllm", max_bs=settings.max_bs, draft_tokens=settings.draft_tokens, hidden=settings.hidden
+    )
 
 
 class VllmPcieAllReduce:
@@ -164,8 +171,9 @@ class VllmPcieAllReduce:
     graph capture.
     """
 
-    def __init__(self, communicator: Any, settings: VllmSettings, *,
-                 deterministic: bool = False) -> None:
+    def __init__(
+        self, communicator: Any, settings: VllmSettings, *, deterministic: bool = False
+    ) -> None:
         import torch
         import torch.distributed as dist
 
@@ -183,9 +191,13 @@ class VllmPcieAllReduce:
         self.sizing = workspace_sizing(settings)
         self.deterministic = deterministic
         table = common.deterministic_table(self.transport) if deterministic else None
-        self.ar = PcieAllReduce(group, device if cuda else "cpu",
-                                max_numel=self.sizing.max_numel, table=table,
-                                cpu_group=communicator.cpu_group)
+        self.ar = PcieAllReduce(
+            group,
+            device if cuda else "cpu",
+            max_numel=self.sizing.max_numel,
+            table=table,
+            cpu_group=communicator.cpu_group,
+        )
         self.rank = self.ar.rank
         self.world_size = self.ar.world_size
         self.device = self.ar.device
@@ -199,17 +211,25 @@ class VllmPcieAllReduce:
         self._destroyed = False
         known = not self.sizing.guessed and settings.hidden and settings.max_rows
         self.warm_up = common.warm_up(
-            self.ar, engine_autotune_disabled=settings.autotune_disabled,
+            self.ar,
+            engine_autotune_disabled=settings.autotune_disabled,
             hidden=settings.hidden if known else None,
-            max_rows=settings.max_rows if known else None)
+            max_rows=settings.max_rows if known else None,
+        )
 
     # ------------------------------------------------------------------ vLLM's slot API
     @property
     def initialized(self) -> bool:
         return not self.disabled and not self._destroyed
 
-    def setup(self, *, hidden_dim: int, dtype: Any = None, capture_sizes: Sequence[int] = (),
-              tune_cache: Any = None) -> None:
+    def setup(
+        self,
+        *,
+        hidden_dim: int,
+        dtype: Any = None,
+        capture_sizes: Sequence[int] = (),
+        tune_cache: Any = None,
+    ) -> None:
         """vLLM calls this before graph capture only when VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC
         is set too. The tune already ran at construction (our cache is PCIE_ALLREDUCE_CACHE_DIR,
         not ``tune_cache``) and every dtype is served, so this only checks the workspace against
@@ -285,11 +305,13 @@ class VllmPcieAllReduce:
             dim += input_.dim()
         if self.collective_reason(input_, "all_gather") is not None:
             return None
-        return common.gathered_along(self.ar.all_gather(input_), self.world_size,
-                                     input_.size(), dim)
+        return common.gathered_along(
+            self.ar.all_gather(input_), self.world_size, input_.size(), dim
+        )
 
-    def try_all_gatherv(self, input_: Any, dim: int = 0, sizes: Optional[Sequence[int]] = None
-                        ) -> Any:
+    def try_all_gatherv(
+        self, input_: Any, dim: int = 0, sizes: Optional[Sequence[int]] = None
+    ) -> Any:
         """``CudaCommunicator.all_gatherv``: equal sizes (or none) only, one tensor or a list
         (all of it ours, or all of it vLLM's)."""
         if dim != 0:
@@ -308,8 +330,9 @@ class VllmPcieAllReduce:
         outs = [self.ar.all_gather(t) for t in tensors]
         return outs[0] if single else outs
 
-    def try_reduce_scatterv(self, input_: Any, dim: int = -1,
-                            sizes: Optional[Sequence[int]] = None, output: Any = None) -> Any:
+    def try_reduce_scatterv(
+        self, input_: Any, dim: int = -1, sizes: Optional[Sequence[int]] = None, output: Any = None
+    ) -> Any:
         """``CudaCommunicator.reduce_scatterv`` and ``reduce_scatterv_into_output``
         (``output`` given): equal sizes (or none) only."""
         if sizes is not None and any(s != sizes[0] for s in sizes):
@@ -325,8 +348,12 @@ class VllmPcieAllReduce:
         if dim != 0 or input_.shape[0] % world:
             return None  # vLLM's own path asserts on these
         expected = (input_.shape[0] // world,) + tuple(input_.shape[1:])
-        if (tuple(output.shape) != expected or output.dtype != input_.dtype
-                or output.device != input_.device or not output.is_contiguous()):
+        if (
+            tuple(output.shape) != expected
+            or output.dtype != input_.dtype
+            or output.device != input_.device
+            or not output.is_contiguous()
+        ):
             return None  # likewise
         if self.collective_reason(input_, "reduce_scatter") is not None:
             return None
@@ -392,9 +419,12 @@ def install() -> bool:
     try:
         from vllm.distributed.device_communicators import cuda_communicator
     except Exception as error:  # noqa: BLE001 - any import failure means: not on this vLLM
-        logger.warning("pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 but vLLM's CUDA communicator "
-                       "cannot be imported (%s: %s); vLLM keeps its own all-reduce",
-                       type(error).__name__, error)
+        logger.warning(
+            "pcie_allreduce: PCIE_ALLREDUCE_ENABLE=1 but vLLM's CUDA communicator "
+            "cannot be imported (%s: %s); vLLM keeps its own all-reduce",
+            type(error).__name__,
+            error,
+        )
         return False
     cls = cuda_communicator.CudaCommunicator
     if _ORIGINAL_INIT in cls.__dict__:
@@ -437,8 +467,10 @@ def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
     first = communicator.rank_in_group == 0
     settings = read_config(get_current_vllm_config_or_none())
     if settings.missing and first:
-        logger.warning("pcie_allreduce: vLLM's config has no %s (renamed upstream?); sizing "
-                       "without it", ", ".join(settings.missing))
+        logger.warning(
+            "pcie_allreduce: vLLM's config has no %s (renamed upstream?); sizing without it",
+            ", ".join(settings.missing),
+        )
     upstream = bool(getattr(envs, UPSTREAM_FLAG, False))
     theirs = getattr(communicator, SLOT)
     if settings.ubatching:
@@ -447,7 +479,8 @@ def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
                 "pcie_allreduce: not installed in vLLM's tp group: dual-batch overlap "
                 "(parallel_config.use_ubatching) reduces two micro-batches at once from two "
                 "threads, and one workspace serves one call at a time%s",
-                f"; {SLOT} keeps {type(theirs).__name__}" if theirs is not None else "")
+                f"; {SLOT} keeps {type(theirs).__name__}" if theirs is not None else "",
+            )
         return None
 
     deterministic = bool(envs.VLLM_BATCH_INVARIANT)
@@ -457,27 +490,36 @@ def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
     setattr(communicator, SLOT, adapter)
     routed = route_collectives(communicator)
     if adapter.ar.enabled:
-        install_fusion_pass(get_current_vllm_config_or_none(), communicator.unique_name,
-                            log=first)
+        install_fusion_pass(get_current_vllm_config_or_none(), communicator.unique_name, log=first)
     if first:
-        state = ("enabled" if adapter.ar.enabled
-                 else f"disabled ({adapter.ar.disabled_reason})")
-        logger.info("pcie_allreduce: vLLM group tp (world %d, %s): %s%s; workspace: %s (%s); "
-                    "the slot also serves its %s",
-                    adapter.world_size, adapter.device, state,
-                    "; deterministic (VLLM_BATCH_INVARIANT=1): one oneshot tactic for every size"
-                    if deterministic else "", adapter.sizing.how, settings.batch_source,
-                    ", ".join(routed) or "nothing")
+        state = "enabled" if adapter.ar.enabled else f"disabled ({adapter.ar.disabled_reason})"
+        logger.info(
+            "pcie_allreduce: vLLM group tp (world %d, %s): %s%s; workspace: %s (%s); "
+            "the slot also serves its %s",
+            adapter.world_size,
+            adapter.device,
+            state,
+            "; deterministic (VLLM_BATCH_INVARIANT=1): one oneshot tactic for every size"
+            if deterministic
+            else "",
+            adapter.sizing.how,
+            settings.batch_source,
+            ", ".join(routed) or "nothing",
+        )
         if upstream:
             if theirs is not None:
                 replaced = f"vLLM's {type(theirs).__name__} was built and is destroyed"
             else:
                 replaced = "vLLM had not built its own" + (
-                    " under VLLM_BATCH_INVARIANT=1" if deterministic else "")
+                    " under VLLM_BATCH_INVARIANT=1" if deterministic else ""
+                )
             logger.warning(
                 "pcie_allreduce: %s=1 and PCIE_ALLREDUCE_ENABLE=1 are both set; pcie_allreduce "
                 "owns vLLM's PCIe all-reduce slot of group tp because PCIE_ALLREDUCE_ENABLE=1 "
-                "is the explicit choice (%s)", UPSTREAM_FLAG, replaced)
+                "is the explicit choice (%s)",
+                UPSTREAM_FLAG,
+                replaced,
+            )
     return adapter
 
 
@@ -490,8 +532,13 @@ def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
 # from the class, for every call the slot declines. Nothing private is touched, the class stays
 # as vLLM ships it, and no other group's communicator changes. When vLLM's destroy() empties
 # the slot, every call goes to vLLM's methods again.
-COLLECTIVE_ROUTES = ("reduce_scatter", "all_gather", "reduce_scatterv",
-                     "reduce_scatterv_into_output", "all_gatherv")
+COLLECTIVE_ROUTES = (
+    "reduce_scatter",
+    "all_gather",
+    "reduce_scatterv",
+    "reduce_scatterv_into_output",
+    "all_gatherv",
+)
 _ROUTED = "_pcie_allreduce_routed"  # set on a communicator instance once routed
 
 
@@ -511,8 +558,11 @@ def route_collectives(communicator: Any) -> List[str]:
         return list(communicator.__dict__[_ROUTED])
     absent = sorted(set(COLLECTIVE_ROUTES) - set(present))
     if absent and communicator.rank_in_group == 0:
-        logger.warning("pcie_allreduce: vLLM's %s has no %s (renamed upstream?); those stay "
-                       "on vLLM's path", cls.__name__, ", ".join(absent))
+        logger.warning(
+            "pcie_allreduce: vLLM's %s has no %s (renamed upstream?); those stay on vLLM's path",
+            cls.__name__,
+            ", ".join(absent),
+        )
     ref = weakref.ref(communicator)  # no cycle: the methods live on the instance
 
     def reduce_scatter(input_: Any, dim: int = -1) -> Any:
@@ -533,14 +583,21 @@ def route_collectives(communicator: Any) -> List[str]:
         out = slot.try_reduce_scatterv(input_, dim, sizes) if slot is not None else None
         return cls.reduce_scatterv(comm, input_, dim, sizes) if out is None else out
 
-    def reduce_scatterv_into_output(input_: Any, output: Any, dim: int = -1,
-                                    sizes: Optional[List[int]] = None) -> Any:
+    def reduce_scatterv_into_output(
+        input_: Any, output: Any, dim: int = -1, sizes: Optional[List[int]] = None
+    ) -> Any:
         comm = ref()
         slot = _our_slot(comm)
-        out = (slot.try_reduce_scatterv(input_, dim, sizes, output=output)
-               if slot is not None else None)
-        return (cls.reduce_scatterv_into_output(comm, input_, output, dim, sizes)
-                if out is None else out)
+        out = (
+            slot.try_reduce_scatterv(input_, dim, sizes, output=output)
+            if slot is not None
+            else None
+        )
+        return (
+            cls.reduce_scatterv_into_output(comm, input_, output, dim, sizes)
+            if out is None
+            else out
+        )
 
     def all_gatherv(input_: Any, dim: int = 0, sizes: Optional[List[int]] = None) -> Any:
         comm = ref()
@@ -548,14 +605,19 @@ def route_collectives(communicator: Any) -> List[str]:
         out = slot.try_all_gatherv(input_, dim, sizes) if slot is not None else None
         return cls.all_gatherv(comm, input_, dim, sizes) if out is None else out
 
-    routes = {"reduce_scatter": reduce_scatter, "all_gather": all_gather,
-              "reduce_scatterv": reduce_scatterv,
-              "reduce_scatterv_into_output": reduce_scatterv_into_output,
-              "all_gatherv": all_gatherv}
+    routes = {
+        "reduce_scatter": reduce_scatter,
+        "all_gather": all_gather,
+        "reduce_scatterv": reduce_scatterv,
+        "reduce_scatterv_into_output": reduce_scatterv_into_output,
+        "all_gatherv": all_gatherv,
+    }
     for name in present:
         route = routes[name]
-        route.__doc__ = (f"vLLM's {cls.__name__}.{name}, routed: pcie_allreduce's kernels "
-                         "where the tp slot admits the call, vLLM's own method otherwise.")
+        route.__doc__ = (
+            f"vLLM's {cls.__name__}.{name}, routed: pcie_allreduce's kernels "
+            "where the tp slot admits the call, vLLM's own method otherwise."
+        )
         setattr(communicator, name, route)
     setattr(communicator, _ROUTED, tuple(present))
     return present
@@ -588,9 +650,15 @@ def define_fused_op() -> Any:
 
     namespace, name = FUSED_OP.split("::")
     if not _FUSED_OP_DEFINED:
-        @torch.library.custom_op(FUSED_OP, mutates_args=(), schema=(
-            "(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
-            "-> (Tensor, Tensor)"))
+
+        @torch.library.custom_op(
+            FUSED_OP,
+            mutates_args=(),
+            schema=(
+                "(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
+                "-> (Tensor, Tensor)"
+            ),
+        )
         def fused_add_rms_norm(x, residual, weight, eps, group_name):  # noqa: ANN001, ANN202
             return _run_fused(x, residual, weight, eps, group_name)
 
@@ -620,8 +688,9 @@ def _run_fused(x: Any, residual: Any, weight: Any, eps: float, group_name: str) 
     y, residual_out = vllm.ir.ops.fused_add_rms_norm(summed, residual, weight, eps)
     inputs = {t.data_ptr() for t in (x, residual, weight)}  # a custom op's outputs are new
     y = y.clone() if y.data_ptr() in inputs else y
-    residual_out = residual_out.clone() if residual_out.data_ptr() in inputs | {
-        y.data_ptr()} else residual_out
+    residual_out = (
+        residual_out.clone() if residual_out.data_ptr() in inputs | {y.data_ptr()} else residual_out
+    )
     return y, residual_out
 
 
@@ -641,14 +710,22 @@ def install_fusion_pass(config: Any, group_name: str, *, log: bool = True) -> bo
         return True
     if held is not None:
         if log:
-            logger.warning("pcie_allreduce: vLLM's inductor_compile_config[%r] already holds %r; "
-                           "the fused all-reduce + RMSNorm pass is not installed (the group's "
-                           "all-reduce is still served)", key, held)
+            logger.warning(
+                "pcie_allreduce: vLLM's inductor_compile_config[%r] already holds %r; "
+                "the fused all-reduce + RMSNorm pass is not installed (the group's "
+                "all-reduce is still served)",
+                key,
+                held,
+            )
         return False
     inductor[key] = cls(group_name)
     if log:
-        logger.info("pcie_allreduce: vLLM's compiled graphs get all-reduce + residual add + "
-                    "RMSNorm fused for group %s (inductor_compile_config[%r])", group_name, key)
+        logger.info(
+            "pcie_allreduce: vLLM's compiled graphs get all-reduce + residual add + "
+            "RMSNorm fused for group %s (inductor_compile_config[%r])",
+            group_name,
+            key,
+        )
     return True
 
 
@@ -663,8 +740,11 @@ def fusion_pass_class() -> Any:
     if _PASS_CLASS is None:
         from vllm.compilation.passes.inductor_pass import InductorPass
 
-        _PASS_CLASS = type("PcieFusedAddRmsNormPass", (FusedAddRmsNormRewrite, InductorPass),
-                           {"__module__": __name__})
+        _PASS_CLASS = type(
+            "PcieFusedAddRmsNormPass",
+            (FusedAddRmsNormRewrite, InductorPass),
+            {"__module__": __name__},
+        )
     return _PASS_CLASS
 
 
@@ -680,8 +760,9 @@ class FusedAddRmsNormRewrite:
         self.matched_count = 0
 
     def uuid(self) -> Any:
-        return self.hash_dict({"source": self.hash_source(FusedAddRmsNormRewrite),
-                               "group": self.group_name})
+        return self.hash_dict(
+            {"source": self.hash_source(FusedAddRmsNormRewrite), "group": self.group_name}
+        )
 
     def __call__(self, graph: Any) -> None:
         import torch
@@ -699,9 +780,11 @@ class FusedAddRmsNormRewrite:
             if args is None:
                 continue
             summed, residual, weight, eps = args
-            if (getattr(summed, "target", None) is not all_reduce
-                    or _group_of(summed) != self.group_name
-                    or not _same_dtype(summed, weight)):
+            if (
+                getattr(summed, "target", None) is not all_reduce
+                or _group_of(summed) != self.group_name
+                or not _same_dtype(summed, weight)
+            ):
                 continue
             others = [u for u in summed.users if u is not node]
             if node.target is add_norm and others:
@@ -713,8 +796,7 @@ class FusedAddRmsNormRewrite:
                 if residual is None:
                     residual = graph.call_function(torch.ops.aten.zeros_like.default, (x,))
                     residual.meta["val"] = x.meta.get("val")
-                out = graph.call_function(fused, (x, residual, weight, float(eps),
-                                                  self.group_name))
+                out = graph.call_function(fused, (x, residual, weight, float(eps), self.group_name))
             val = node.meta.get("val")
             if node.target is add_norm:
                 out.meta["val"] = val
@@ -741,8 +823,11 @@ class FusedAddRmsNormRewrite:
 def _norm_args(node: Any, *, with_residual: bool) -> Any:
     """(sum, residual or None, weight, eps) of a vllm_ir norm node, or None when it has a
     ``variance_size`` or a missing weight (our op normalises the whole row with a weight)."""
-    names = (["x", "x_residual", "weight", "epsilon", "variance_size"] if with_residual
-             else ["x", "weight", "epsilon", "variance_size"])
+    names = (
+        ["x", "x_residual", "weight", "epsilon", "variance_size"]
+        if with_residual
+        else ["x", "weight", "epsilon", "variance_size"]
+    )
     values = dict(zip(names, node.args))
     values.update(node.kwargs)
     if values.get("variance_size") is not None or values.get("weight") is None:

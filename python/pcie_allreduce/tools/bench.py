@@ -90,9 +90,7 @@ def _seconds_per_call(r: Rank, fn: Callable[[], None], opts: Dict[str, Any]) -> 
     return _agree_max(_timed(fn, iters, r.sync), r.cpu_group) / per_call
 
 
-def _time_ours_and_fallback(
-    r: Rank, x: torch.Tensor, opts: Dict[str, Any]
-) -> Tuple[float, float]:
+def _time_ours_and_fallback(r: Rank, x: torch.Tensor, opts: Dict[str, Any]) -> Tuple[float, float]:
     """Seconds per call of ours and of the group's own all-reduce, on the same input."""
     scratch = x.clone()
 
@@ -106,8 +104,16 @@ def _time_ours_and_fallback(
     return _seconds_per_call(r, ours, opts), _seconds_per_call(r, fallback, opts)
 
 
-def _row(size: int, numel: int, world: int, dtype_name: str, wrong: int, tactic: str,
-         t_ours: float, t_fb: float) -> Dict[str, Any]:
+def _row(
+    size: int,
+    numel: int,
+    world: int,
+    dtype_name: str,
+    wrong: int,
+    tactic: str,
+    t_ours: float,
+    t_fb: float,
+) -> Dict[str, Any]:
     algbw = size / t_ours / 1e9
     return {
         "size": size,
@@ -162,8 +168,15 @@ def _finish(r: Rank, rows: List[Dict[str, Any]], queue: Any) -> None:
 _EPS = 1e-6
 
 
-def _fused_wrong(r: Rank, y: torch.Tensor, res_out: torch.Tensor, xs: List[torch.Tensor],
-                 residual: torch.Tensor, weight: torch.Tensor, dtype_name: str) -> int:
+def _fused_wrong(
+    r: Rank,
+    y: torch.Tensor,
+    res_out: torch.Tensor,
+    xs: List[torch.Tensor],
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    dtype_name: str,
+) -> int:
     """Elements of the fused result further from float64 than a few roundings of the dtype (at
     least 1 if the ranks' bits differ)."""
     y64, r64 = fused_float64(xs, residual.cpu(), weight.cpu(), _EPS)
@@ -184,8 +197,11 @@ def _fused_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue:
     dtype = DTYPES[dtype_name]
     elem = torch.tensor([], dtype=dtype).element_size()
     row_bytes = hidden * elem
-    rows_list = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-                 if opts["min_bytes"] <= n * row_bytes <= opts["max_bytes"]]
+    rows_list = [
+        n
+        for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+        if opts["min_bytes"] <= n * row_bytes <= opts["max_bytes"]
+    ]
     r = set_up(rank, world, port, opts, max(rows_list) * hidden)
     g = torch.Generator().manual_seed(12345)  # the residual stream and weight: replicated
     weight = torch.randn(hidden, generator=g).to(dtype).to(r.device)
@@ -217,18 +233,29 @@ def _fused_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue:
         # Interleaved, in rounds: a slow phase of the machine hits every variant alike.
         times = {k: [] for k in ("fused", "plain", "unfused", "fallback")}
         for _ in range(opts["rounds"]):
-            for name, fn in (("fused", fused), ("plain", plain), ("unfused", unfused),
-                             ("fallback", fallback)):
+            for name, fn in (
+                ("fused", fused),
+                ("plain", plain),
+                ("unfused", unfused),
+                ("fallback", fallback),
+            ):
                 times[name].append(_seconds_per_call(r, fn, opts))
         best = {k: min(v) for k, v in times.items()}
-        row = {"size": rows * row_bytes, "rows": rows, "hidden": hidden, "type": dtype_name,
-               "fused_us": best["fused"] * 1e6, "plain_us": best["plain"] * 1e6,
-               "unfused_us": best["unfused"] * 1e6, "fallback_us": best["fallback"] * 1e6,
-               "fused_over_plain": best["fused"] / best["plain"],
-               "unfused_over_fused": best["unfused"] / best["fused"],
-               "fallback_over_fused": best["fallback"] / best["fused"], "wrong": wrong,
-               "path": (r.ar.fused_decline_reason(x, residual, weight) or
-                        r.ar.chosen_tactic(x))}
+        row = {
+            "size": rows * row_bytes,
+            "rows": rows,
+            "hidden": hidden,
+            "type": dtype_name,
+            "fused_us": best["fused"] * 1e6,
+            "plain_us": best["plain"] * 1e6,
+            "unfused_us": best["unfused"] * 1e6,
+            "fallback_us": best["fallback"] * 1e6,
+            "fused_over_plain": best["fused"] / best["plain"],
+            "unfused_over_fused": best["unfused"] / best["fused"],
+            "fallback_over_fused": best["fallback"] / best["fused"],
+            "wrong": wrong,
+            "path": (r.ar.fused_decline_reason(x, residual, weight) or r.ar.chosen_tactic(x)),
+        }
         out.append(row)
         if rank == 0:
             print(_format_fused_row(row), flush=True)
@@ -242,15 +269,17 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _collective_wrong(r: Rank, got: torch.Tensor, collective: str, numel: int, dtype: torch.dtype,
-                      dtype_name: str) -> int:
+def _collective_wrong(
+    r: Rank, got: torch.Tensor, collective: str, numel: int, dtype: torch.dtype, dtype_name: str
+) -> int:
     """Wrong elements of one reduce-scatter (against the float64 sum, as count_wrong judges an
     all-reduce) or all-gather (bit for bit) of a message of `numel` elements."""
     chunk = numel // r.world
     got = got.cpu().reshape(-1)
     if collective == "all_gather":
-        expected = torch.cat([rank_input(q, chunk, dtype, seed=_COLLECTIVE_SEED)
-                              for q in range(r.world)])
+        expected = torch.cat(
+            [rank_input(q, chunk, dtype, seed=_COLLECTIVE_SEED) for q in range(r.world)]
+        )
         return int((got.view(torch.uint8) != expected.view(torch.uint8)).sum().item())
     total, mag = reference(r.world, numel, dtype, _COLLECTIVE_SEED)
     mine = slice(r.ar.rank * chunk, (r.ar.rank + 1) * chunk)
@@ -258,15 +287,17 @@ def _collective_wrong(r: Rank, got: torch.Tensor, collective: str, numel: int, d
     return int((err > RTOL[dtype_name] * mag[mine] + 1e-6).sum().item())
 
 
-def _collective_worker(rank: int, world: int, port: int, opts: Dict[str, Any],
-                       queue: Any) -> None:
+def _collective_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
     """Per message size (the reduce-scatter's input, the all-gather's output): ours, our
     all-reduce of the same message and the group's own collective, interleaved in rounds."""
     collective, dtype_name = opts["collective"], opts["dtype"]
     dtype = DTYPES[dtype_name]
     elem = torch.tensor([], dtype=dtype).element_size()
-    sizes = [s for s in sizes_between(opts["min_bytes"], opts["max_bytes"], opts["step_factor"],
-                                      elem) if s % (16 * world) == 0]
+    sizes = [
+        s
+        for s in sizes_between(opts["min_bytes"], opts["max_bytes"], opts["step_factor"], elem)
+        if s % (16 * world) == 0
+    ]
     r = set_up(rank, world, port, opts, max(sizes) // elem)
     rows = []
     for size in sizes:
@@ -305,12 +336,19 @@ def _collective_worker(rank: int, world: int, port: int, opts: Dict[str, Any],
             for name, fn in (("ours", ours), ("all_reduce", all_reduce), ("fallback", fallback)):
                 times[name].append(_seconds_per_call(r, fn, opts))
         best = {k: min(v) for k, v in times.items()}
-        row = {"size": size, "count": numel, "type": dtype_name, "collective": collective,
-               "time_us": best["ours"] * 1e6, "all_reduce_us": best["all_reduce"] * 1e6,
-               "fallback_us": best["fallback"] * 1e6,
-               "over_all_reduce": best["ours"] / best["all_reduce"],
-               "speedup": best["fallback"] / best["ours"], "wrong": wrong,
-               "tactic": r.ar.chosen_collective_tactic(x, collective)}
+        row = {
+            "size": size,
+            "count": numel,
+            "type": dtype_name,
+            "collective": collective,
+            "time_us": best["ours"] * 1e6,
+            "all_reduce_us": best["all_reduce"] * 1e6,
+            "fallback_us": best["fallback"] * 1e6,
+            "over_all_reduce": best["ours"] / best["all_reduce"],
+            "speedup": best["fallback"] / best["ours"],
+            "wrong": wrong,
+            "tactic": r.ar.chosen_collective_tactic(x, collective),
+        }
         rows.append(row)
         if rank == 0:
             print(_format_collective_row(row), flush=True)
@@ -318,42 +356,58 @@ def _collective_worker(rank: int, world: int, port: int, opts: Dict[str, Any],
 
 
 def _format_collective_row(r: Dict[str, Any]) -> str:
-    return (f"{r['size']:>10} {r['count']:>9} {r['type']:>5} {r['time_us']:>9.2f} "
-            f"{r['all_reduce_us']:>9.2f} {r['fallback_us']:>9.2f} {r['over_all_reduce']:>8.2f}x "
-            f"{r['speedup']:>8.2f}x {r['wrong']:>6}  {r['tactic']}")
+    return (
+        f"{r['size']:>10} {r['count']:>9} {r['type']:>5} {r['time_us']:>9.2f} "
+        f"{r['all_reduce_us']:>9.2f} {r['fallback_us']:>9.2f} {r['over_all_reduce']:>8.2f}x "
+        f"{r['speedup']:>8.2f}x {r['wrong']:>6}  {r['tactic']}"
+    )
 
 
-def _print_collective_header(transport: str, world: int, dtype_name: str,
-                             collective: str) -> None:
+def _print_collective_header(transport: str, world: int, dtype_name: str, collective: str) -> None:
     fallback = "nccl" if transport in GPU_TRANSPORTS else "gloo"
-    print(f"# pcie-allreduce bench --collective {collective}: transport={transport} "
-          f"world={world} dtype={dtype_name} fallback={fallback} host={platform.node()} "
-          f"cpus={os.cpu_count()} torch={torch.__version__}")
-    print(f"# size: the whole message (the reduce-scatter's input, the all-gather's output). "
-          f"ours: {collective}; all_reduce: our all-reduce of the same message; fallback: "
-          f"{fallback}'s {collective}. Best of interleaved rounds, us per call.")
-    print(f"# {'size(B)':>8} {'count':>9} {'type':>5} {'ours':>9} {'all_red':>9} "
-          f"{'fallback':>9} {'ours/ar':>9} {'fb/ours':>9} {'#wrong':>6}  tactic", flush=True)
+    print(
+        f"# pcie-allreduce bench --collective {collective}: transport={transport} "
+        f"world={world} dtype={dtype_name} fallback={fallback} host={platform.node()} "
+        f"cpus={os.cpu_count()} torch={torch.__version__}"
+    )
+    print(
+        f"# size: the whole message (the reduce-scatter's input, the all-gather's output). "
+        f"ours: {collective}; all_reduce: our all-reduce of the same message; fallback: "
+        f"{fallback}'s {collective}. Best of interleaved rounds, us per call."
+    )
+    print(
+        f"# {'size(B)':>8} {'count':>9} {'type':>5} {'ours':>9} {'all_red':>9} "
+        f"{'fallback':>9} {'ours/ar':>9} {'fb/ours':>9} {'#wrong':>6}  tactic",
+        flush=True,
+    )
 
 
 def _format_fused_row(r: Dict[str, Any]) -> str:
-    return (f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['fused_us']:>9.2f} "
-            f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
-            f"{r['fused_over_plain']:>8.2f}x {r['unfused_over_fused']:>8.2f}x "
-            f"{r['fallback_over_fused']:>8.2f}x {r['wrong']:>6}  {r['path']}")
+    return (
+        f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['fused_us']:>9.2f} "
+        f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
+        f"{r['fused_over_plain']:>8.2f}x {r['unfused_over_fused']:>8.2f}x "
+        f"{r['fallback_over_fused']:>8.2f}x {r['wrong']:>6}  {r['path']}"
+    )
 
 
 def _print_fused_header(transport: str, world: int, dtype_name: str, hidden: int) -> None:
     fallback = "nccl" if transport in GPU_TRANSPORTS else "gloo"
-    print(f"# pcie-allreduce bench --fused: transport={transport} world={world} "
-          f"dtype={dtype_name} hidden={hidden} fallback={fallback} host={platform.node()} "
-          f"cpus={os.cpu_count()} torch={torch.__version__}")
-    print("# fused: all_reduce_add_rms_norm; plain: our all_reduce alone; unfused: our "
-          f"all_reduce + torch add + rms_norm; fallback: {fallback} + torch add + rms_norm. "
-          "Best of interleaved rounds, us per call.")
-    print(f"# {'size(B)':>8} {'rows':>5} {'type':>5} {'fused':>9} {'plain':>9} {'unfused':>9} "
-          f"{'fallback':>9} {'fus/plain':>9} {'unf/fus':>9} {'fb/fus':>9} {'#wrong':>6}  path",
-          flush=True)
+    print(
+        f"# pcie-allreduce bench --fused: transport={transport} world={world} "
+        f"dtype={dtype_name} hidden={hidden} fallback={fallback} host={platform.node()} "
+        f"cpus={os.cpu_count()} torch={torch.__version__}"
+    )
+    print(
+        "# fused: all_reduce_add_rms_norm; plain: our all_reduce alone; unfused: our "
+        f"all_reduce + torch add + rms_norm; fallback: {fallback} + torch add + rms_norm. "
+        "Best of interleaved rounds, us per call."
+    )
+    print(
+        f"# {'size(B)':>8} {'rows':>5} {'type':>5} {'fused':>9} {'plain':>9} {'unfused':>9} "
+        f"{'fallback':>9} {'fus/plain':>9} {'unf/fus':>9} {'fb/fus':>9} {'#wrong':>6}  path",
+        flush=True,
+    )
 
 
 def _format_row(r: Dict[str, Any]) -> str:
@@ -371,22 +425,31 @@ def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
     if getattr(args, "fused", False):
         row = args.hidden * DTYPES[args.dtype].itemsize
         if args.hidden < 1 or row % 16:
-            return (f"--hidden {args.hidden}: a row of {args.dtype} must be a positive multiple "
-                    "of 16 bytes")
-        if not any(args.min_bytes <= n * row <= args.max_bytes for n in
-                   (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)):
-            return (f"no batch of 1, 2, 4, ... 1024 rows of {row} bytes lies in --min-bytes "
-                    f"{args.min_bytes} .. --max-bytes {args.max_bytes}")
+            return (
+                f"--hidden {args.hidden}: a row of {args.dtype} must be a positive multiple "
+                "of 16 bytes"
+            )
+        if not any(
+            args.min_bytes <= n * row <= args.max_bytes
+            for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+        ):
+            return (
+                f"no batch of 1, 2, 4, ... 1024 rows of {row} bytes lies in --min-bytes "
+                f"{args.min_bytes} .. --max-bytes {args.max_bytes}"
+            )
     elem = DTYPES[args.dtype].itemsize
     collective = getattr(args, "collective", "all_reduce")
     if collective != "all_reduce" and getattr(args, "fused", False):
         return "--fused is the all-reduce's; it does not combine with --collective " + collective
     world = getattr(args, "world", None) or 2
     if collective != "all_reduce" and not any(
-            s % (16 * world) == 0
-            for s in sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem)):
-        return (f"no message size in --min-bytes {args.min_bytes} .. --max-bytes "
-                f"{args.max_bytes} splits into {world} chunks of whole 16-byte vectors")
+        s % (16 * world) == 0
+        for s in sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem)
+    ):
+        return (
+            f"no message size in --min-bytes {args.min_bytes} .. --max-bytes "
+            f"{args.max_bytes} splits into {world} chunks of whole 16-byte vectors"
+        )
     if not sizes_between(args.min_bytes, args.max_bytes, args.step_factor, elem):
         return (
             f"no message size in --min-bytes {args.min_bytes} .. --max-bytes {args.max_bytes}: "
@@ -415,8 +478,10 @@ def _print_header(transport: str, world: int, dtype_name: str) -> None:
 def main(args: argparse.Namespace) -> int:
     transport, world, why_not = transport_and_world(args)
     if why_not is None and args.graph and transport not in GPU_TRANSPORTS:
-        why_not = (f"--graph needs GPUs (--transport {policy.CUDA_IPC}, {policy.CUDA_HOST} or "
-                   f"{policy.AUTO} with 2 GPUs)")
+        why_not = (
+            f"--graph needs GPUs (--transport {policy.CUDA_IPC}, {policy.CUDA_HOST} or "
+            f"{policy.AUTO} with 2 GPUs)"
+        )
     why_not = why_not or _arguments_problem(args)
     if why_not is not None:
         print(f"pcie-allreduce bench: {why_not}", file=sys.stderr)

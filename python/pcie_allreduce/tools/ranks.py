@@ -58,10 +58,15 @@ def set_up(rank: int, world: int, port: int, opts: Dict[str, Any], max_numel: in
     cpu_group = dist.new_group(backend="gloo") if cuda else group
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     # auto: the communicator's own choice (PCIE_ALLREDUCE_TRANSPORT, else auto).
-    forced = opts["transport"] if opts["transport"] in (policy.CUDA_IPC, policy.CUDA_HOST) \
-        else None
-    ar = PcieAllReduce(group, device, max_numel=max_numel, table=opts["table"], cpu_group=cpu_group,
-                       transport=forced)
+    forced = opts["transport"] if opts["transport"] in (policy.CUDA_IPC, policy.CUDA_HOST) else None
+    ar = PcieAllReduce(
+        group,
+        device,
+        max_numel=max_numel,
+        table=opts["table"],
+        cpu_group=cpu_group,
+        transport=forced,
+    )
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     return Rank(world, group, cpu_group, device, ar, sync)
 
@@ -78,9 +83,13 @@ def transport_and_world(args: argparse.Namespace) -> Tuple[str, int, Optional[st
         transport = policy.HOST_SHM
     if transport in GPU_TRANSPORTS:
         if gpus < 2:
-            return transport, 0, (
-                f"--transport {args.transport} needs at least 2 GPUs (transport {transport}), "
-                f"found {gpus}; use --transport {policy.HOST_SHM} on this machine"
+            return (
+                transport,
+                0,
+                (
+                    f"--transport {args.transport} needs at least 2 GPUs (transport {transport}), "
+                    f"found {gpus}; use --transport {policy.HOST_SHM} on this machine"
+                ),
             )
         world = min(gpus, 8) if args.world is None else args.world
         if world > gpus:
@@ -101,8 +110,9 @@ def json_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def run_ranks(world: int, opts: Dict[str, Any], target: Callable[..., None]
-              ) -> Optional[Dict[str, Any]]:
+def run_ranks(
+    world: int, opts: Dict[str, Any], target: Callable[..., None]
+) -> Optional[Dict[str, Any]]:
     """Spawns the ranks; rank 0's result, or None (said on stderr) if any rank failed."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

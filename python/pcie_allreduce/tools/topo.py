@@ -26,9 +26,18 @@ def _model(schedule: Any, nbytes: int) -> Dict[str, Any]:
     out = {}
     for transport, _ in MODELLED:
         c = schedule.cost(nbytes, transport=transport)
-        out[transport] = {k: c[k] for k in ("modelled_us", "latency_us", "bandwidth_us",
-                                            "serial_round_trips", "busiest_link_bytes",
-                                            "busiest_link", "critical_path")}
+        out[transport] = {
+            k: c[k]
+            for k in (
+                "modelled_us",
+                "latency_us",
+                "bandwidth_us",
+                "serial_round_trips",
+                "busiest_link_bytes",
+                "busiest_link",
+                "critical_path",
+            )
+        }
     return out
 
 
@@ -42,11 +51,12 @@ def _summaries(world: int, island_of: List[int], nbytes: int) -> List[Dict[str, 
         for direction in ("push", "pull"):
             for staged in (True, False):
                 for protocol in plan_mod.PROTOCOLS:
-                    if _C.why_unsupported(algorithm, world, island_of, direction, staged,
-                                          protocol) is not None:
+                    if (
+                        _C.why_unsupported(algorithm, world, island_of, direction, staged, protocol)
+                        is not None
+                    ):
                         continue  # LL is push-only and unstaged
-                    s = _C.build_schedule(algorithm, world, island_of, direction, staged,
-                                          protocol)
+                    s = _C.build_schedule(algorithm, world, island_of, direction, staged, protocol)
                     v = s.verify()
                     rows.append(
                         {
@@ -79,8 +89,10 @@ def _describe_host(as_json: bool) -> int:
         f"Host: {host['cpus']} CPUs ({host['cpu']}), {host['numa_nodes']} NUMA node(s), "
         f"/dev/shm free {host['dev_shm_free_bytes']} bytes."
     )
-    print(f"The host shared-memory transport ({policy.HOST_SHM}) serves CPU tensors here: "
-          f"`pcie-allreduce bench --transport {policy.HOST_SHM}`.")
+    print(
+        f"The host shared-memory transport ({policy.HOST_SHM}) serves CPU tensors here: "
+        f"`pcie-allreduce bench --transport {policy.HOST_SHM}`."
+    )
     return 0
 
 
@@ -105,9 +117,11 @@ def _print_schedules(rows: List[Dict[str, Any]]) -> None:
     link's KiB and the modelled µs of one call (`--json` has each critical path)."""
     nbytes = next((r["model_bytes"] for r in rows if r["supported"]), 0)
     model_head = "".join(f"{'rt':>4}{'KiB':>6}{name + ' us':>9}" for _, name in MODELLED)
-    print(f"{'algorithm':<16}{'dir':<6}{'staged':<8}{'proto':<6}{'ok':<4}{'stages':>7}"
-          f"{'out/stage':>10}{'in/stage':>9}{'xisland':>8}"
-          f"{'fences':>8}{'peerpoll':>9}{'waits':>6}{'llpoll':>7}{'hops':>5}  {model_head}")
+    print(
+        f"{'algorithm':<16}{'dir':<6}{'staged':<8}{'proto':<6}{'ok':<4}{'stages':>7}"
+        f"{'out/stage':>10}{'in/stage':>9}{'xisland':>8}"
+        f"{'fences':>8}{'peerpoll':>9}{'waits':>6}{'llpoll':>7}{'hops':>5}  {model_head}"
+    )
     for r in rows:
         if not r["supported"]:
             print(f"{r['algorithm']:<16}-- {r['reason']}")
@@ -116,14 +130,19 @@ def _print_schedules(rows: List[Dict[str, Any]]) -> None:
         model = "".join(
             f"{m['serial_round_trips']:>4}{m['busiest_link_bytes'] / 1024:>6.0f}"
             f"{m['modelled_us']:>9.2f}"
-            for m in (r["model"][transport] for transport, _ in MODELLED))
-        print(f"{r['algorithm']:<16}{r['direction']:<6}{str(r['staged']).lower():<8}"
-              f"{r['protocol']:<6}{'yes' if r['verified'] else 'NO':<4}{r['stages']:>7}"
-              f"{r['max_outbound_per_stage']:>10}{r['max_inbound_per_stage']:>9}"
-              f"{r['cross_island_elements']:>8g}{c['system_fences']:>8}{c['peer_polls']:>9}"
-              f"{c['local_waits']:>6}{c['data_polls']:>7}{c['fabric_hops']:>5}  {model}")
-    print(f"(model: {nbytes} bytes per call, constants in csrc/plan/cost_model.h, "
-          "docs/benchmarks.md \"The cost model\")")
+            for m in (r["model"][transport] for transport, _ in MODELLED)
+        )
+        print(
+            f"{r['algorithm']:<16}{r['direction']:<6}{str(r['staged']).lower():<8}"
+            f"{r['protocol']:<6}{'yes' if r['verified'] else 'NO':<4}{r['stages']:>7}"
+            f"{r['max_outbound_per_stage']:>10}{r['max_inbound_per_stage']:>9}"
+            f"{r['cross_island_elements']:>8g}{c['system_fences']:>8}{c['peer_polls']:>9}"
+            f"{c['local_waits']:>6}{c['data_polls']:>7}{c['fabric_hops']:>5}  {model}"
+        )
+    print(
+        f"(model: {nbytes} bytes per call, constants in csrc/plan/cost_model.h, "
+        'docs/benchmarks.md "The cost model")'
+    )
 
 
 def _print_topo(topo: Any, report: Dict[str, Any]) -> None:
@@ -131,8 +150,10 @@ def _print_topo(topo: Any, report: Dict[str, Any]) -> None:
     print(f"table key:   {report['table_key']}")
     print(f"fingerprint: {report['fingerprint']}")
     if topo.has_nvlink():
-        print("NVLink present: the serving engine's own custom all-reduce should take this host; "
-              "pcie_allreduce declines by itself here.")
+        print(
+            "NVLink present: the serving engine's own custom all-reduce should take this host; "
+            "pcie_allreduce declines by itself here."
+        )
     print(f"island algorithms: {report['island_algorithms']}")
     if not report["schedules"]:
         print(f"(no schedules: world size {topo.world} is outside 2..8)")

@@ -81,11 +81,17 @@ def read_cache(path: Path, fp: str) -> CacheRead:
             key, _, value = line[2:].partition(": ")
             header.setdefault(key.strip(), value.strip())
     if header.get("format") != str(CACHE_FORMAT):
-        return CacheRead(Path(path), problem=f"format {header.get('format')!r}, this library "
-                         f"reads {CACHE_FORMAT}", header=header)
+        return CacheRead(
+            Path(path),
+            problem=f"format {header.get('format')!r}, this library reads {CACHE_FORMAT}",
+            header=header,
+        )
     if header.get("fingerprint") != fp:
-        return CacheRead(Path(path), problem=f"foreign (fingerprint {header.get('fingerprint')!r}"
-                         f", this host is {fp!r})", header=header)
+        return CacheRead(
+            Path(path),
+            problem=f"foreign (fingerprint {header.get('fingerprint')!r}, this host is {fp!r})",
+            header=header,
+        )
     try:
         _C.TuningTable.parse(body + "\n", str(path))
     except ValueError as error:

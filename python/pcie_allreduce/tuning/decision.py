@@ -30,16 +30,16 @@ def median_and_error(samples: Sequence[float]) -> tuple[float, float]:
     return med, 1.253 * 1.4826 * mad / med / len(samples) ** 0.5
 
 
-def ratio_and_error(challenger: Sequence[float], incumbent: Sequence[float]
-                    ) -> tuple[float, float]:
+def ratio_and_error(challenger: Sequence[float], incumbent: Sequence[float]) -> tuple[float, float]:
     """Median of the per-round time ratios and its standard error (absolute)."""
     ratios = [c / i for c, i in zip(challenger, incumbent) if i > 0]
     med, rel = median_and_error(ratios)
     return med, rel * med
 
 
-def keep_or_replace(incumbent: Optional[str], samples: Mapping[str, Sequence[float]],
-                    min_margin: float = MIN_MARGIN) -> tuple[str, float, float]:
+def keep_or_replace(
+    incumbent: Optional[str], samples: Mapping[str, Sequence[float]], min_margin: float = MIN_MARGIN
+) -> tuple[str, float, float]:
     """(winner, challenger/incumbent time ratio, margin it had to beat). The incumbent stays
     unless the fastest challenger beats it by more than ``min_margin`` and by more than three
     standard errors of the per-round ratio. Each round times both back to back, so the ratio
@@ -48,8 +48,11 @@ def keep_or_replace(incumbent: Optional[str], samples: Mapping[str, Sequence[flo
     if incumbent is None or incumbent not in samples:
         medians = {label: median(times) for label, times in samples.items() if times}
         return min(medians, key=medians.__getitem__), 1.0, 0.0
-    ratios = {label: ratio_and_error(times, samples[incumbent])
-              for label, times in samples.items() if label != incumbent and times}
+    ratios = {
+        label: ratio_and_error(times, samples[incumbent])
+        for label, times in samples.items()
+        if label != incumbent and times
+    }
     if not ratios:
         return incumbent, 1.0, 0.0
     best = min(ratios, key=lambda label: ratios[label][0])

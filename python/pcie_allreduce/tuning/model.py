@@ -31,6 +31,7 @@ def gpu_families() -> List[Tuple[str, str, List[int], str]]:
     """The seed's GPU rows, in table order: (topology key, world column, the island map they are
     judged on, transport). Worlds 2 and 4 have their own rows; "*" is judged at world 8, the
     dearest, and holds for the worlds between."""
+
     def halves(w: int) -> List[int]:
         return [0 if r < w // 2 else 1 for r in range(w)]
 
@@ -67,10 +68,15 @@ def buckets() -> List[Tuple[int, Optional[int], int]]:
     return out
 
 
-def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: int,
-                 constants: Optional[Dict[str, float]] = None,
-                 executor: Optional[Dict[str, Any]] = None,
-                 collective: str = "all_reduce") -> List[Dict[str, Any]]:
+def rank_tactics(
+    world: int,
+    island_of: Sequence[int],
+    transport: str,
+    nbytes: int,
+    constants: Optional[Dict[str, float]] = None,
+    executor: Optional[Dict[str, Any]] = None,
+    collective: str = "all_reduce",
+) -> List[Dict[str, Any]]:
     """Every tactic the builders accept here (push only over P2P), fastest first by the model;
     a tie goes to the unstaged tactic (fewer fences), then to the plan layer's order. `nbytes`
     is the whole message (a reduce-scatter's input, an all-gather's output)."""
@@ -83,12 +89,19 @@ def rank_tactics(world: int, island_of: Sequence[int], transport: str, nbytes: i
             continue
         if t["protocol"] in FLAG_IN_DATA and nbytes > MAX_LL_BYTES:
             continue
-        s = _C.build_schedule(t["algorithm"], world, list(island_of), t["direction"],
-                              t["staged"], t["protocol"], collective)
-        c = s.cost(nbytes, transport=transport, constants=constants or {},
-                   executor=executor or {})
-        rows.append({**t, "modelled_us": c["modelled_us"],
-                     "serial_round_trips": c["serial_round_trips"]})
+        s = _C.build_schedule(
+            t["algorithm"],
+            world,
+            list(island_of),
+            t["direction"],
+            t["staged"],
+            t["protocol"],
+            collective,
+        )
+        c = s.cost(nbytes, transport=transport, constants=constants or {}, executor=executor or {})
+        rows.append(
+            {**t, "modelled_us": c["modelled_us"], "serial_round_trips": c["serial_round_trips"]}
+        )
     rows.sort(key=lambda r: (round(r["modelled_us"], 6), r["staged"]))
     return rows
 
@@ -98,39 +111,47 @@ def _tactic_columns(best: Dict[str, Any], judged: int, collective: str = "all_re
     or all-gather's algorithm named after its collective, ``reduce_scatter:twoshot``)."""
     blocks, threads = launch_shape(best["protocol"], judged)
     kind = "" if collective == "all_reduce" else f"{collective}:"
-    text = (f"{kind}{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},"
-            f"{threads}")
+    text = f"{kind}{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},{threads}"
     return text + ("" if best["protocol"] == "flag" else f",{best['protocol']}")
 
 
-def derive_rows(key: str, world: str, island_of: Sequence[int], transport: str,
-                constants: Optional[Dict[str, float]] = None,
-                executor: Optional[Dict[str, Any]] = None,
-                collective: str = "all_reduce") -> List[str]:
+def derive_rows(
+    key: str,
+    world: str,
+    island_of: Sequence[int],
+    transport: str,
+    constants: Optional[Dict[str, float]] = None,
+    executor: Optional[Dict[str, Any]] = None,
+    collective: str = "all_reduce",
+) -> List[str]:
     """The table rows of one topology key: adjacent buckets with the same best tactic and launch
     shape merge into one row."""
     runs: List[List[Any]] = []  # [min_bytes, max_bytes or None, columns]
     for lo, hi, judged in buckets():
-        best = rank_tactics(len(island_of), island_of, transport, judged, constants,
-                            executor, collective)[0]
+        best = rank_tactics(
+            len(island_of), island_of, transport, judged, constants, executor, collective
+        )[0]
         columns = _tactic_columns(best, judged, collective)
         if runs and runs[-1][2] == columns:
             runs[-1][1] = hi
         else:
             runs.append([lo, hi, columns])
-    return [f"{key},{world},*,{lo},{'*' if hi is None else hi},{columns}"
-            for lo, hi, columns in runs]
+    return [
+        f"{key},{world},*,{lo},{'*' if hi is None else hi},{columns}" for lo, hi, columns in runs
+    ]
 
 
-def derive_seed_rows(constants: Optional[Dict[str, float]] = None,
-                     executor: Optional[Dict[str, Any]] = None) -> List[str]:
+def derive_seed_rows(
+    constants: Optional[Dict[str, float]] = None, executor: Optional[Dict[str, Any]] = None
+) -> List[str]:
     """Every GPU family's rows: the all-reduce's, then the reduce-scatter's and all-gather's
     (each collective judged by its own modelled cost, not derived from the all-reduce's)."""
     rows: List[str] = []
     for key, world, island_of, transport in gpu_families():
         for collective in COLLECTIVES:
-            rows.extend(derive_rows(key, world, island_of, transport, constants, executor,
-                                    collective))
+            rows.extend(
+                derive_rows(key, world, island_of, transport, constants, executor, collective)
+            )
     return rows
 
 

@@ -27,8 +27,14 @@ from ..native import _C
 from ..plan import ALGORITHMS, PROTOCOLS
 from ..testing import DTYPES
 from . import cache
-from .decision import (MIN_MARGIN, MIN_MARGIN_MEASURED, keep_or_replace, median,
-                       median_and_error, ratio_and_error)
+from .decision import (
+    MIN_MARGIN,
+    MIN_MARGIN_MEASURED,
+    keep_or_replace,
+    median,
+    median_and_error,
+    ratio_and_error,
+)
 from .passes import current_pass
 
 logger = logging.getLogger("pcie_allreduce")
@@ -56,8 +62,9 @@ class Candidate:
     columns: str
 
 
-def candidates(transport: str, world: int, island_of: Sequence[int], max_blocks: int
-               ) -> List[Candidate]:
+def candidates(
+    transport: str, world: int, island_of: Sequence[int], max_blocks: int
+) -> List[Candidate]:
     """Every tactic the plan layer supports here, in every (blocks, threads) shape worth
     trying on this transport, then the fallback."""
     shapes = _HOST_SHAPES if transport == policy.HOST_SHM else _CUDA_SHAPES
@@ -66,16 +73,23 @@ def candidates(transport: str, world: int, island_of: Sequence[int], max_blocks:
         for direction in ("push", "pull"):
             for staged in (False, True):
                 for protocol in PROTOCOLS:
-                    if _C.why_unsupported(algorithm, world, list(island_of), direction, staged,
-                                          protocol) is not None:
+                    if (
+                        _C.why_unsupported(
+                            algorithm, world, list(island_of), direction, staged, protocol
+                        )
+                        is not None
+                    ):
                         continue
                     for blocks, threads in shapes:
                         if blocks > max_blocks:
                             continue
-                        label = (f"{algorithm}/{direction}/{'staged' if staged else 'unstaged'}"
-                                 f"/{protocol}/b{blocks}/t{threads}")
-                        columns = (f"{algorithm},{direction},{int(staged)},{blocks},{threads},"
-                                   f"{protocol}")
+                        label = (
+                            f"{algorithm}/{direction}/{'staged' if staged else 'unstaged'}"
+                            f"/{protocol}/b{blocks}/t{threads}"
+                        )
+                        columns = (
+                            f"{algorithm},{direction},{int(staged)},{blocks},{threads},{protocol}"
+                        )
                         out.append(Candidate(label, columns))
     out.append(Candidate("fallback", _FALLBACK_ROW))
     return out
@@ -132,8 +146,10 @@ class _Progress:
             return
         if self.tty:
             filled = int(30 * self.done / max(self.total, 1))
-            sys.stderr.write(f"\r[pcie_allreduce tune] [{'#' * filled}{'.' * (30 - filled)}] "
-                             f"{self.done}/{self.total} {what:<40}")
+            sys.stderr.write(
+                f"\r[pcie_allreduce tune] [{'#' * filled}{'.' * (30 - filled)}] "
+                f"{self.done}/{self.total} {what:<40}"
+            )
             if self.done == self.total:
                 sys.stderr.write("\n")
             sys.stderr.flush()
@@ -155,8 +171,9 @@ class _Tuner:
         measured = ar.table.source.startswith(policy.cache_source(""))
         self.min_margin = MIN_MARGIN_MEASURED if measured else MIN_MARGIN
         config = ar.config
-        self.candidates = candidates(config.transport, ar.world_size, config.island_of,
-                                     config.max_blocks)
+        self.candidates = candidates(
+            config.transport, ar.world_size, config.island_of, config.max_blocks
+        )
         self.measured = 0
         self.excluded: List[Dict[str, Any]] = []
 
@@ -188,8 +205,9 @@ class _Tuner:
         self.sync()
         return (time.perf_counter() - start) / calls
 
-    def bucket(self, dtype: str, lo: int, size: int, hi: int, budget_s: float
-               ) -> Optional[Dict[str, Any]]:
+    def bucket(
+        self, dtype: str, lo: int, size: int, hi: int, budget_s: float
+    ) -> Optional[Dict[str, Any]]:
         """Measures one size bucket; None when the communicator declines that size."""
         numel = size // DTYPES[dtype].itemsize
         x = _exact_input(self.ar.rank, numel, DTYPES[dtype]).to(self.ar.device)
@@ -206,20 +224,29 @@ class _Tuner:
 
         contenders = self._correct(contenders, dtype, call, y, expected, size)
         if not contenders:
-            raise TuneError(f"no tactic and not even the fallback gave the exact sum at {size} "
-                            f"bytes {dtype}: nothing to choose from")
+            raise TuneError(
+                f"no tactic and not even the fallback gave the exact sum at {size} "
+                f"bytes {dtype}: nothing to choose from"
+            )
         samples = self._rounds(contenders, dtype, call, budget_s, incumbent, size)
         stats = {label: median_and_error(times) for label, times in samples.items()}
         winner, ratio, margin = keep_or_replace(incumbent, samples, self.min_margin)
         self.measured += len(samples)
         return {
-            "dtype": dtype, "bytes": size, "min_bytes": lo, "max_bytes": hi,
-            "winner": winner, "columns": contenders[winner],
-            "time_us": stats[winner][0] * 1e6, "noise_pct": stats[winner][1] * 100,
+            "dtype": dtype,
+            "bytes": size,
+            "min_bytes": lo,
+            "max_bytes": hi,
+            "winner": winner,
+            "columns": contenders[winner],
+            "time_us": stats[winner][0] * 1e6,
+            "noise_pct": stats[winner][1] * 100,
             "fallback_us": stats["fallback"][0] * 1e6 if "fallback" in stats else float("nan"),
             "incumbent": incumbent,
             "incumbent_us": stats[incumbent][0] * 1e6 if incumbent in stats else float("nan"),
-            "ratio": ratio, "margin_pct": margin * 100, "changed": winner != incumbent,
+            "ratio": ratio,
+            "margin_pct": margin * 100,
+            "changed": winner != incumbent,
             "rounds": len(samples[incumbent]),
             "measured": {label: stats[label][0] * 1e6 for label in stats},
         }
@@ -235,8 +262,9 @@ class _Tuner:
         out.setdefault(incumbent, columns_of_label(incumbent))
         return out
 
-    def _correct(self, contenders: Dict[str, str], dtype: str, call: Any, y: Any,
-                 expected: Any, size: int) -> Dict[str, str]:
+    def _correct(
+        self, contenders: Dict[str, str], dtype: str, call: Any, y: Any, expected: Any, size: int
+    ) -> Dict[str, str]:
         """Correctness first: a contender that gives a wrong sum on any rank is excluded, with
         a warning that names it."""
         mine = []
@@ -251,16 +279,29 @@ class _Tuner:
         for i, (label, columns) in enumerate(contenders.items()):
             wrong = [r for r, flags in enumerate(everyone) if not flags[i]]
             if wrong:
-                self.excluded.append({"tactic": label, "dtype": dtype, "bytes": size,
-                                      "ranks": wrong})
-                logger.warning("pcie_allreduce tune: %s gave a wrong sum at %d bytes %s on "
-                               "ranks %s: excluded", label, size, dtype, wrong)
+                self.excluded.append(
+                    {"tactic": label, "dtype": dtype, "bytes": size, "ranks": wrong}
+                )
+                logger.warning(
+                    "pcie_allreduce tune: %s gave a wrong sum at %d bytes %s on ranks %s: excluded",
+                    label,
+                    size,
+                    dtype,
+                    wrong,
+                )
             else:
                 ok[label] = columns
         return ok
 
-    def _rounds(self, contenders: Dict[str, str], dtype: str, call: Any, budget_s: float,
-                incumbent: str, size: int) -> Dict[str, List[float]]:
+    def _rounds(
+        self,
+        contenders: Dict[str, str],
+        dtype: str,
+        call: Any,
+        budget_s: float,
+        incumbent: str,
+        size: int,
+    ) -> Dict[str, List[float]]:
         """Interleaved rounds (each contender timed once per round, in a rotating order). After
         the minimum rounds only the finalists (within 25 % of the best, and the incumbent) are
         timed, until each one's ratio to the incumbent is known to 1 % or the bucket's budget
@@ -274,20 +315,22 @@ class _Tuner:
         slowest = [max(col) for col in zip(*self.ar.gather(probe, "tune: probe"))]
         # Blocks short enough that the minimum rounds fit in half the bucket's budget.
         block = min(_BLOCK_SECONDS, budget_s / (2 * _MIN_ROUNDS * len(labels)))
-        calls = {label: int(min(500, max(3, block / max(t, 1e-7))))
-                 for label, t in zip(labels, slowest)}
+        calls = {
+            label: int(min(500, max(3, block / max(t, 1e-7)))) for label, t in zip(labels, slowest)
+        }
         samples: Dict[str, List[float]] = {label: [] for label in labels}
         active = list(labels)
         start = time.perf_counter()
         for round_no in range(_MAX_ROUNDS):
-            order = active[round_no % len(active):] + active[: round_no % len(active)]
+            order = active[round_no % len(active) :] + active[: round_no % len(active)]
             mine = {}
             for label in order:
                 self.install(contenders[label], dtype)
                 call()
                 mine[label] = self._timed(call, calls[label], label, size)
-            everyone = self.ar.gather({"t": mine, "elapsed": time.perf_counter() - start},
-                                        "tune: round")
+            everyone = self.ar.gather(
+                {"t": mine, "elapsed": time.perf_counter() - start}, "tune: round"
+            )
             for label in active:
                 samples[label].append(max(e["t"][label] for e in everyone))
             elapsed = max(e["elapsed"] for e in everyone)
@@ -295,13 +338,19 @@ class _Tuner:
                 break  # the budget is the operator's: a few rounds' median rather than overrun
             if round_no + 1 < _MIN_ROUNDS:
                 continue
-            ratios = {label: median([t / i for t, i in zip(samples[label], samples[incumbent])])
-                      for label in active}
+            ratios = {
+                label: median([t / i for t, i in zip(samples[label], samples[incumbent])])
+                for label in active
+            }
             best = min(ratios.values())
-            active = [label for label in active
-                      if ratios[label] <= _FINALIST * best or label == incumbent]
-            errors = [ratio_and_error(samples[label], samples[incumbent])[1]
-                      for label in active if label != incumbent]
+            active = [
+                label for label in active if ratios[label] <= _FINALIST * best or label == incumbent
+            ]
+            errors = [
+                ratio_and_error(samples[label], samples[incumbent])[1]
+                for label in active
+                if label != incumbent
+            ]
             if all(e <= _PRECISION for e in errors) or elapsed > budget_s:
                 break
         return samples
@@ -313,8 +362,10 @@ def _refusal(ar: Any) -> Optional[str]:
         return "PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1"
     outer = current_pass()
     if outer is not None:
-        return (f"inside another autotune pass ({outer}): its timings would measure that pass; "
-                "tune before or after it")
+        return (
+            f"inside another autotune pass ({outer}): its timings would measure that pass; "
+            "tune before or after it"
+        )
     if ar.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return "during CUDA graph capture: nothing can be timed while a graph is recorded"
@@ -323,20 +374,27 @@ def _refusal(ar: Any) -> Optional[str]:
     return None
 
 
-def _check_arguments(ar: Any, dtypes: Optional[Sequence[str]], max_bytes: Optional[int],
-                     budget_s: float) -> List[str]:
+def _check_arguments(
+    ar: Any, dtypes: Optional[Sequence[str]], max_bytes: Optional[int], budget_s: float
+) -> List[str]:
     """The dtypes to tune; a bad argument raises on this rank before any exchange."""
     admitted = list(ar.config.dtypes)
     chosen = list(dtypes) if dtypes is not None else admitted
     unknown = [d for d in chosen if d not in admitted]
     if not chosen or unknown:
-        raise ValueError(f"tune(dtypes={dtypes!r}): expected a non-empty subset of the "
-                         f"communicator's dtypes {admitted}")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                  or max_bytes < 16):
+        raise ValueError(
+            f"tune(dtypes={dtypes!r}): expected a non-empty subset of the "
+            f"communicator's dtypes {admitted}"
+        )
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 16
+    ):
         raise ValueError(f"tune(max_bytes={max_bytes!r}): expected a whole number of bytes >= 16")
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not (
-            0 < budget_s < float("inf")):
+    if (
+        isinstance(budget_s, bool)
+        or not isinstance(budget_s, (int, float))
+        or not (0 < budget_s < float("inf"))
+    ):
         raise ValueError(f"tune(budget_s={budget_s!r}): expected a positive number of seconds")
     return chosen
 
@@ -368,22 +426,29 @@ def _lock_cache(ar: Any, path: Path, wait_s: float) -> Optional[cache.CacheLock]
         if state == "held":
             return lock
         if state.startswith("error: "):
-            raise TuneError(f"rank 0 cannot lock the cache {path}.lock ({state[7:]}); "
-                            "measured nothing")
+            raise TuneError(
+                f"rank 0 cannot lock the cache {path}.lock ({state[7:]}); measured nothing"
+            )
         if time.monotonic() > deadline:
-            raise TuneError(f"another tune of this host holds {path}.lock ({state}) for more "
-                            f"than {wait_s:.0f} s; measured nothing")
+            raise TuneError(
+                f"another tune of this host holds {path}.lock ({state}) for more "
+                f"than {wait_s:.0f} s; measured nothing"
+            )
         time.sleep(0.2)
 
 
 def _rows(choices: List[Dict[str, Any]], key: str, world: int) -> str:
-    lines = ["topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
-             "threads,protocol,time_us,fallback_us,incumbent,incumbent_us,noise_pct"]
+    lines = [
+        "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
+        "threads,protocol,time_us,fallback_us,incumbent,incumbent_us,noise_pct"
+    ]
     for c in choices:
         hi = "*" if c["max_bytes"] < 0 else str(c["max_bytes"])
-        lines.append(f"{key},{world},{c['dtype']},{c['min_bytes']},{hi},{c['columns']},"
-                     f"{c['time_us']:.2f},{c['fallback_us']:.2f},{c['incumbent']},"
-                     f"{c['incumbent_us']:.2f},{c['noise_pct']:.2f}")
+        lines.append(
+            f"{key},{world},{c['dtype']},{c['min_bytes']},{hi},{c['columns']},"
+            f"{c['time_us']:.2f},{c['fallback_us']:.2f},{c['incumbent']},"
+            f"{c['incumbent_us']:.2f},{c['noise_pct']:.2f}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -396,13 +461,22 @@ def _tail(original_text: str, key: str, world: int, dtypes: Sequence[str]) -> st
         if topology == key and w == str(world) and dtype in dtypes:
             continue
         kept.append(line)
-    return "# the table in use before this tune, for everything it did not measure\n" + \
-        "\n".join(kept) + "\n"
+    return (
+        "# the table in use before this tune, for everything it did not measure\n"
+        + "\n".join(kept)
+        + "\n"
+    )
 
 
-def tune(ar: Any, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional[int] = None,
-         budget_s: float = 120.0, force: bool = False, progress: Optional[bool] = None
-         ) -> Dict[str, Any]:
+def tune(
+    ar: Any,
+    *,
+    dtypes: Optional[Sequence[str]] = None,
+    max_bytes: Optional[int] = None,
+    budget_s: float = 120.0,
+    force: bool = False,
+    progress: Optional[bool] = None,
+) -> Dict[str, Any]:
     """Measures this host and writes its cache (collective: call on every rank).
 
     ``dtypes`` defaults to every dtype the communicator admits: an admitted dtype left on the
@@ -418,14 +492,23 @@ def tune(ar: Any, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional
     lock = _lock_cache(ar, path, wait_s=max(budget_s * 2, ar.timeout_s))
     try:
         if not force:
-            found = cache.read_cache(path, ar.config.fingerprint) if ar.rank == 0 \
+            found = (
+                cache.read_cache(path, ar.config.fingerprint)
+                if ar.rank == 0
                 else cache.CacheRead(path)
+            )
             text = ar.gather(found.text, "tune: cache")[0]
             if text is not None:
                 table_hash = ar.install_table(text, policy.cache_source(path))
-                return {"status": "cached", "measured": 0, "path": str(path), "choices": [],
-                        "excluded": [], "seconds": time.perf_counter() - started,
-                        "table_hash": table_hash}
+                return {
+                    "status": "cached",
+                    "measured": 0,
+                    "path": str(path),
+                    "choices": [],
+                    "excluded": [],
+                    "seconds": time.perf_counter() - started,
+                    "table_hash": table_hash,
+                }
         # The measurement calls are not service: stats() shows only the engine's calls.
         with ar.trial() as use:
             report = _measure(ar, _Tuner(ar, budget_s, use), dtypes, max_bytes, progress, path)
@@ -436,8 +519,14 @@ def tune(ar: Any, *, dtypes: Optional[Sequence[str]] = None, max_bytes: Optional
     return report
 
 
-def _measure(ar: Any, tuner: _Tuner, dtypes: List[str], max_bytes: Optional[int],
-             progress: Optional[bool], path: Path) -> Dict[str, Any]:
+def _measure(
+    ar: Any,
+    tuner: _Tuner,
+    dtypes: List[str],
+    max_bytes: Optional[int],
+    progress: Optional[bool],
+    path: Path,
+) -> Dict[str, Any]:
     plan = []
     for dtype in dtypes:
         top = ar.max_numel * DTYPES[dtype].itemsize
@@ -453,8 +542,10 @@ def _measure(ar: Any, tuner: _Tuner, dtypes: List[str], max_bytes: Optional[int]
     finally:
         tuner.restore()
     if tuner.measured == 0 or not choices:
-        raise TuneError("pcie_allreduce tune measured nothing (every size was declined); the "
-                        "table in use is unchanged")
+        raise TuneError(
+            "pcie_allreduce tune measured nothing (every size was declined); the "
+            "table in use is unchanged"
+        )
     key = ar.config.topology_key
     text = _rows(choices, key, ar.world_size) + _tail(ar.table.text, key, ar.world_size, dtypes)
     text = ar.gather(text if ar.rank == 0 else None, "tune: decision")[0]
@@ -463,20 +554,26 @@ def _measure(ar: Any, tuner: _Tuner, dtypes: List[str], max_bytes: Optional[int]
     except TableMismatch as error:
         raise TuneError(f"{error}; the tuned table is not kept") from error
     written, problem = _write_on_rank0(ar, path, text, tuner.measured)
-    return {"status": "tuned", "measured": tuner.measured, "path": str(path) if written else None,
-            "problem": problem, "choices": choices, "excluded": tuner.excluded,
-            "table_hash": table_hash}
+    return {
+        "status": "tuned",
+        "measured": tuner.measured,
+        "path": str(path) if written else None,
+        "problem": problem,
+        "choices": choices,
+        "excluded": tuner.excluded,
+        "table_hash": table_hash,
+    }
 
 
 def _write_on_rank0(ar: Any, path: Path, text: str, measured: int) -> tuple[bool, Optional[str]]:
     problem = None
     if ar.rank == 0:
         try:
-            cache.write_cache(path, ar.config.fingerprint, ar.config.fingerprint_fields, text,
-                              measured)
+            cache.write_cache(
+                path, ar.config.fingerprint, ar.config.fingerprint_fields, text, measured
+            )
         except OSError as error:
             problem = f"could not write {path}: {error}"
-            logger.warning("pcie_allreduce tune: %s; the tuned table is used but not kept",
-                           problem)
+            logger.warning("pcie_allreduce tune: %s; the tuned table is used but not kept", problem)
     problem = ar.gather(problem, "tune: written")[0]
     return problem is None, problem

@@ -32,9 +32,14 @@ TIMEOUT_S = 300.0  # a shared 2-core machine: generous, and only ever reached by
 # disabled object), and no rank waits forever.
 BASE_ENV = {"SGLANG_NCCL_SO_PATH": "/nonexistent", "PCIE_ALLREDUCE_TIMEOUT_S": "60"}
 # SGLang flags the tests set themselves, removed from what ranks inherit.
-SCRUBBED = {"SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", "SGLANG_PCIE_IPC_MAX_NUMEL",
-            "SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "SGLANG_USE_1STAGE_ALLREDUCE",
-            "SGLANG_PLUGINS", "SGLANG_PLATFORM"}
+SCRUBBED = {
+    "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE",
+    "SGLANG_PCIE_IPC_MAX_NUMEL",
+    "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
+    "SGLANG_USE_1STAGE_ALLREDUCE",
+    "SGLANG_PLUGINS",
+    "SGLANG_PLATFORM",
+}
 
 
 def shm_entries() -> set:
@@ -44,12 +49,20 @@ def shm_entries() -> set:
 LOGS: Optional[LogRecords] = None  # in a rank: its records so far
 
 
-def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple,
-           env: Dict[str, Optional[str]], out_dir: str) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: Dict[str, Optional[str]],
+    out_dir: str,
+) -> None:
     faulthandler.enable()  # a crash in a rank prints where it was
     for name in list(os.environ):  # only the test's flags, not the caller's shell's
-        if name in SCRUBBED or (name.startswith("PCIE_ALLREDUCE_")
-                                and name != "PCIE_ALLREDUCE_CACHE_DIR"):
+        if name in SCRUBBED or (
+            name.startswith("PCIE_ALLREDUCE_") and name != "PCIE_ALLREDUCE_CACHE_DIR"
+        ):
             del os.environ[name]
     for name, value in env.items():
         if value is None:
@@ -67,15 +80,20 @@ def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: 
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
         return fn(rank, world, *args)
 
     leave_group(report(rank, out_dir, body, always=lambda: {"logs": logs.records}))
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2,
-              env: Optional[Dict[str, Optional[str]]] = None) -> List[Dict[str, Any]]:
+def run_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    env: Optional[Dict[str, Optional[str]]] = None,
+) -> List[Dict[str, Any]]:
     """fn(rank, world, *args) in `world` spawned processes joined by gloo; the test fails if a
     rank raises or hangs. Returns per rank {"value", "logs"}. ``env`` entries set to None are
     removed in the ranks."""
@@ -89,8 +107,12 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2,
 
 def lines(results: List[Dict[str, Any]], needle: str) -> List[tuple]:
     """(rank, level, message) of every log record on any rank that contains `needle`."""
-    return [(r, level, msg) for r, res in enumerate(results) for level, msg in res["logs"]
-            if needle in msg]
+    return [
+        (r, level, msg)
+        for r, res in enumerate(results)
+        for level, msg in res["logs"]
+        if needle in msg
+    ]
 
 
 # ---------------------------------------------------------------------------- in the ranks
@@ -105,8 +127,14 @@ def make_group(rank: int, name: Optional[str] = "tp", group_ranks: Optional[list
     """A real SGLang GroupCoordinator over gloo (world 2 unless `group_ranks` says otherwise)."""
     from sglang.srt.distributed.parallel_state import init_model_parallel_group
 
-    return init_model_parallel_group(group_ranks or [[0, 1]], rank, "gloo", use_pynccl=True,
-                                     use_custom_allreduce=False, group_name=name)
+    return init_model_parallel_group(
+        group_ranks or [[0, 1]],
+        rank,
+        "gloo",
+        use_pynccl=True,
+        use_custom_allreduce=False,
+        group_name=name,
+    )
 
 
 def publish(**fields: Any) -> None:
@@ -130,7 +158,8 @@ def publish(**fields: Any) -> None:
 
         max_bs = fields.pop("max_bs")
         fields["cuda_graph_config"] = CudaGraphConfig(
-            decode=PhaseConfig(backend=Backend.FULL, max_bs=max_bs))
+            decode=PhaseConfig(backend=Backend.FULL, max_bs=max_bs)
+        )
     saved = rc._install_derived_leaves
     rc._install_derived_leaves = lambda tops, server_args: None
     try:

@@ -29,11 +29,16 @@ SIZING = {
     "unpublished, no rows": (None, None, None),
     "unpublished, runner rows": (None, 12, None),
     "published, no speculation": ({"max_bs": 24}, 12, None),
-    "published, speculation": ({"max_bs": 24, "speculative_algorithm": "EAGLE",
-                                "speculative_num_draft_tokens": 3}, 12, None),
-    "published, draft tokens without an algorithm": ({"max_bs": 24,
-                                                      "speculative_num_draft_tokens": 3}, 12,
-                                                     None),
+    "published, speculation": (
+        {"max_bs": 24, "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": 3},
+        12,
+        None,
+    ),
+    "published, draft tokens without an algorithm": (
+        {"max_bs": 24, "speculative_num_draft_tokens": 3},
+        12,
+        None,
+    ),
     "published, no decode graph": ({}, 12, None),
     "published, fewer rows than the runner's": ({"max_bs": 4}, 12, None),
     "explicit env": ({"max_bs": 24}, 12, "4096"),
@@ -57,9 +62,13 @@ def _sizing(rank: int, world: int) -> Dict[str, Any]:
         slot = tp.pcie_ipc_comm
         outcome = slot.prepare(hidden=HIDDEN, max_rows=rows)
         how = slot.stats()["sizing"]
-        out[case] = {"max_numel": slot.max_numel, "how": how, "covered": outcome["rows_covered"],
-                     "workspace": slot.communicator.max_numel,
-                     "said": [m for _, m in sglang_ranks.LOGS.records[seen:] if how in m]}
+        out[case] = {
+            "max_numel": slot.max_numel,
+            "how": how,
+            "covered": outcome["rows_covered"],
+            "workspace": slot.communicator.max_numel,
+            "said": [m for _, m in sglang_ranks.LOGS.records[seen:] if how in m],
+        }
         tp.destroy()
     return out
 
@@ -88,37 +97,51 @@ def test_workspace_sizing_from_sglangs_config_prepare_env_or_an_announced_guess(
     assert "guessing 64 rows" in sized["unpublished, no rows"]["how"]
     assert "PCIE_ALLREDUCE_MAX_NUMEL=4096" == sized["explicit env"]["how"]
     # A workspace smaller than the runner's widest decode is said once, on rank 0.
-    assert [(rank, level) for rank, level, _ in lines(results, "batches of 5..12 rows go to the "
-                                                      "fallback")] == [(0, "WARNING")]
+    assert [
+        (rank, level)
+        for rank, level, _ in lines(results, "batches of 5..12 rows go to the fallback")
+    ] == [(0, "WARNING")]
     for rank, r in enumerate(results):
         for case, got in r["value"].items():
             # One line per build says how: rank 0's, or size_workspace's warning on each rank
             # when it had to guess.
-            assert len(got["said"]) == (1 if rank == 0 or "guessing" in got["how"] else 0), \
-                (rank, case, got["said"])
+            assert len(got["said"]) == (1 if rank == 0 or "guessing" in got["how"] else 0), (
+                rank,
+                case,
+                got["said"],
+            )
 
 
 def _sweep(slot: Any) -> List[str]:
     import torch
 
     ar = slot.communicator
-    return sorted({ar.chosen_tactic(torch.empty(n, dtype=torch.bfloat16)).split("/")[0]
-                   for n in range(8, ar.max_numel + 1, 8 * 61)} |
-                  {ar.chosen_tactic(torch.empty(ar.max_numel, dtype=torch.bfloat16))
-                   .split("/")[0]})
+    return sorted(
+        {
+            ar.chosen_tactic(torch.empty(n, dtype=torch.bfloat16)).split("/")[0]
+            for n in range(8, ar.max_numel + 1, 8 * 61)
+        }
+        | {ar.chosen_tactic(torch.empty(ar.max_numel, dtype=torch.bfloat16)).split("/")[0]}
+    )
 
 
 # (environment, published config) per case; the rest of the flags unset.
 DETERMINISM = {
     "default": ({}, None),
     "SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1": (
-        {"SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "1"}, None),
+        {"SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "1"},
+        None,
+    ),
     "1-stage all-reduce off wins over deterministic": (
-        {"SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "1", "SGLANG_USE_1STAGE_ALLREDUCE": "0"}, None),
+        {"SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "1", "SGLANG_USE_1STAGE_ALLREDUCE": "0"},
+        None,
+    ),
     "1-stage all-reduce on alone": ({"SGLANG_USE_1STAGE_ALLREDUCE": "1"}, None),
     "published --enable-deterministic-inference": ({}, {"enable_deterministic_inference": True}),
     "1-stage all-reduce off wins over the published flag": (
-        {"SGLANG_USE_1STAGE_ALLREDUCE": "0"}, {"enable_deterministic_inference": True}),
+        {"SGLANG_USE_1STAGE_ALLREDUCE": "0"},
+        {"enable_deterministic_inference": True},
+    ),
 }
 DETERMINISM_FLAGS = ("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "SGLANG_USE_1STAGE_ALLREDUCE")
 
@@ -140,17 +163,23 @@ def _determinism(rank: int, world: int) -> Dict[str, Any]:
         slot = tp.pcie_ipc_comm
         slot.prepare(hidden=1024, max_rows=32)  # 64 KiB of bf16: above the seed's 32 KiB edge
         x = torch.full((32, 1024), float(rank + 1), dtype=torch.bfloat16)
-        out[case] = {"table": slot.stats()["table_source"], "tactics": _sweep(slot),
-                     "deterministic": slot.stats()["deterministic"],
-                     "sum": tp._all_reduce_out_place(x, "auto").unique().tolist()}
+        out[case] = {
+            "table": slot.stats()["table_source"],
+            "tactics": _sweep(slot),
+            "deterministic": slot.stats()["deterministic"],
+            "sum": tp._all_reduce_out_place(x, "auto").unique().tolist(),
+        }
         tp.destroy()
     return out
 
 
 def test_deterministic_inference_pins_oneshot_at_every_size_under_sglangs_precedence():
     results = run_ranks(_determinism, env=ENV)
-    on = {"SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1", "1-stage all-reduce on alone",
-          "published --enable-deterministic-inference"}
+    on = {
+        "SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1",
+        "1-stage all-reduce on alone",
+        "published --enable-deterministic-inference",
+    }
     for r in results:
         for case, got in r["value"].items():
             assert got["sum"] == [3.0], case
@@ -163,8 +192,10 @@ def test_deterministic_inference_pins_oneshot_at_every_size_under_sglangs_preced
                 assert "twoshot" in got["tactics"], case  # the sweep can tell them apart
                 assert got["deterministic"].startswith("off ("), case
     value = results[0]["value"]
-    assert "SGLANG_USE_1STAGE_ALLREDUCE=0" in value["1-stage all-reduce off wins over "
-                                                    "deterministic"]["deterministic"]
+    assert (
+        "SGLANG_USE_1STAGE_ALLREDUCE=0"
+        in value["1-stage all-reduce off wins over deterministic"]["deterministic"]
+    )
     assert "SGLANG_USE_1STAGE_ALLREDUCE=1" in value["1-stage all-reduce on alone"]["deterministic"]
 
 
@@ -196,9 +227,12 @@ def _both_flags(rank: int, world: int) -> Dict[str, Any]:
 def test_with_sglangs_own_flag_too_exactly_one_backend_owns_the_slot_and_one_line_says_so():
     results = run_ranks(_both_flags, env={**ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE": "1"})
     for r in results:
-        assert r["value"] == {"slot": "SglangPcieAllReduce", "destroyed": ["PcieIpcCommunicator"],
-                              "deterministic slot": "SglangPcieAllReduce",
-                              "destroyed after": ["PcieIpcCommunicator"]}
+        assert r["value"] == {
+            "slot": "SglangPcieAllReduce",
+            "destroyed": ["PcieIpcCommunicator"],
+            "deterministic slot": "SglangPcieAllReduce",
+            "destroyed after": ["PcieIpcCommunicator"],
+        }
     said = lines(results, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 both ask")
     assert [(rank, level) for rank, level, _ in said] == [(0, "WARNING"), (0, "WARNING")]
     assert "pcie_allreduce owns it" in said[0][2] and "was destroyed" in said[0][2]
@@ -217,8 +251,11 @@ def _warm_up(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
         tp = make_group(rank, "tp")
         slot = tp.pcie_ipc_comm
         outcome = slot.prepare(hidden=64, max_rows=4)
-        out[case] = {"outcome": outcome, "table": slot.stats()["table_source"],
-                     "files": sorted(p.name for p in Path(cache_dir).glob("*.csv"))}
+        out[case] = {
+            "outcome": outcome,
+            "table": slot.stats()["table_source"],
+            "files": sorted(p.name for p in Path(cache_dir).glob("*.csv")),
+        }
         tp.destroy()
 
     build_and_prepare("PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1")

@@ -54,11 +54,13 @@ def _dispatch(rank: int, world: int) -> Dict[str, Any]:
         wrong[name] = count_wrong(y.flatten(), world, rows * HIDDEN, name, seed=5)
         fresh[name] = y is not x and y.data_ptr() != x.data_ptr()
         untouched[name] = torch.equal(x, before)
-    z = tp._all_reduce_out_place(rank_input(rank, HIDDEN, torch.bfloat16, 6).view(1, HIDDEN),
-                                 "pcie_ipc")
+    z = tp._all_reduce_out_place(
+        rank_input(rank, HIDDEN, torch.bfloat16, 6).view(1, HIDDEN), "pcie_ipc"
+    )
     wrong["explicit"] = count_wrong(z.flatten(), world, HIDDEN, "bf16", seed=6)
-    out.update(wrong=wrong, fresh=fresh, untouched=untouched,
-               calls=_total_calls(slot) - calls_before)
+    out.update(
+        wrong=wrong, fresh=fresh, untouched=untouched, calls=_total_calls(slot) - calls_before
+    )
 
     # SGLang's destroy: ours first, while both groups live; then the process groups.
     import torch.distributed as dist
@@ -73,8 +75,7 @@ def _dispatch(rank: int, world: int) -> Dict[str, Any]:
     real_slot_destroy = slot.destroy
 
     def slot_destroy():
-        events.append(("pcie_allreduce", tp.device_group is not None,
-                       tp.cpu_group is not None))
+        events.append(("pcie_allreduce", tp.device_group is not None, tp.cpu_group is not None))
         real_slot_destroy()
 
     dist.destroy_process_group = destroy_pg
@@ -102,8 +103,11 @@ def test_sglang_dispatch_picks_our_slot_for_admitted_sizes_and_sums_correctly():
         assert value["wrong"] == {"bf16": 0, "fp32": 0, "explicit": 0}
         assert all(value["fresh"].values()) and all(value["untouched"].values())
         assert value["calls"] == 3
-        assert value["events"] == [("pcie_allreduce", True, True), "destroy_process_group",
-                                   "destroy_process_group"]
+        assert value["events"] == [
+            ("pcie_allreduce", True, True),
+            "destroy_process_group",
+            "destroy_process_group",
+        ]
         assert value["slot_after"] is None and value["disabled_after"] is True
         summary = lines([r], f"pcie_allreduce[tp rank {rank}/2]: enabled; calls: ")
         assert len(summary) == 1, r["logs"]
@@ -177,8 +181,12 @@ def _lazy(rank: int, world: int) -> Dict[str, Any]:
     x = torch.full((3, 96), float(rank + 1), dtype=torch.float32)
     method = tp._resolve_outplace_all_reduce_method(x)  # no prepare(): built here
     y = tp._all_reduce_out_place(x, "auto")
-    out = {"method": method, "max_numel": slot.max_numel, "sum": y.unique().tolist(),
-           "sizing": slot.stats()["sizing"]}
+    out = {
+        "method": method,
+        "max_numel": slot.max_numel,
+        "sum": y.unique().tolist(),
+        "sizing": slot.stats()["sizing"],
+    }
     tp.destroy()
     return out
 

@@ -30,8 +30,9 @@ def _error(xs: Any, residual: Any, weight: Any, dtype: Any, y: Any, r: Any) -> f
     """Largest distance from the float64 result of the rounded inputs."""
     from pcie_allreduce.testing import fused_float64
 
-    y_ref, r_ref = fused_float64([x.to(dtype) for x in xs], residual.to(dtype), weight.to(dtype),
-                                 EPS)
+    y_ref, r_ref = fused_float64(
+        [x.to(dtype) for x in xs], residual.to(dtype), weight.to(dtype), EPS
+    )
     return max((y.double() - y_ref).abs().max().item(), (r.double() - r_ref).abs().max().item())
 
 
@@ -44,12 +45,20 @@ def _sglang_tp(rank: int, world: int) -> Any:
 
     load_sglang_plugins()
     publish(tp_size=world)
-    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                    backend="gloo")
+    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
     tp = make_group(rank, "tp")
     get_parallel().override_permanently(
-        tp_rank=rank, tp_group=tp, attn_tp_group=tp, attn_tp_rank=rank, attn_tp_size=world,
-        moe_tp_group=tp, moe_tp_rank=rank, moe_tp_size=world, moe_ep_size=1, attn_dcp_size=1)
+        tp_rank=rank,
+        tp_group=tp,
+        attn_tp_group=tp,
+        attn_tp_rank=rank,
+        attn_tp_size=world,
+        moe_tp_group=tp,
+        moe_tp_rank=rank,
+        moe_tp_size=world,
+        moe_ep_size=1,
+        attn_dcp_size=1,
+    )
     return tp
 
 
@@ -78,8 +87,9 @@ def _fused(rank: int, world: int, enabled: bool) -> Dict[str, Any]:
     # The boundary's attention -> FFN step: the fused kernel when the gate is open, else None
     # (the boundary then runs its unfused all-reduce and norm).
     result = boundary_fusions.fused_ffn_input(plan, x.clone(), res, None)
-    out["boundary_error"] = (_error(xs, residual, weight, dtype, *result)
-                             if result is not None else None)
+    out["boundary_error"] = (
+        _error(xs, residual, weight, dtype, *result) if result is not None else None
+    )
     if not enabled:  # SGLang's fused op has no CPU kernel: nothing more to call on a CPU
         tp.destroy()
         return out

@@ -31,15 +31,20 @@ def _slot_uses(tree: ast.Module) -> dict:
     """{attribute: [keyword names of each call]} for every `<x>.pcie_ipc_comm.<attribute>`."""
     uses: dict = {}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "pcie_ipc_comm"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "pcie_ipc_comm"
+        ):
             uses.setdefault(node.attr, [])
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             owner = node.func.value
             if (isinstance(owner, ast.Attribute) and owner.attr == "pcie_ipc_comm") or (
-                    isinstance(owner, ast.Name) and owner.id == "pcie_ipc_comm"):
+                isinstance(owner, ast.Name) and owner.id == "pcie_ipc_comm"
+            ):
                 uses.setdefault(node.func.attr, []).append(
-                    (len(node.args), sorted(k.arg for k in node.keywords)))
+                    (len(node.args), sorted(k.arg for k in node.keywords))
+                )
     return uses
 
 
@@ -48,8 +53,9 @@ def test_the_entry_point_sglang_loads_is_our_zero_argument_register():
     assert [ep.value for ep in found] == ["pcie_allreduce.integrations.sglang:register"]
     register = found[0].load()
     assert register is ours.register
-    assert not [p for p in inspect.signature(register).parameters.values()
-                if p.default is p.empty]  # load_plugins() calls func()
+    assert not [
+        p for p in inspect.signature(register).parameters.values() if p.default is p.empty
+    ]  # load_plugins() calls func()
 
 
 def test_the_hook_target_resolves_to_group_coordinator_init_with_a_group_name():
@@ -64,11 +70,22 @@ def test_the_hook_target_resolves_to_group_coordinator_init_with_a_group_name():
     assert HookType.AFTER.value == "after" and callable(HookRegistry.register)
     # Our hook reads these attributes of the coordinator SGLang has just built.
     tree = _source("sglang.srt.distributed.parallel_state")
-    assigned = {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                for t in node.targets if isinstance(t, ast.Attribute)
-                and isinstance(t.value, ast.Name) and t.value.id == "self"}
-    assert {"unique_name", "world_size", "rank_in_group", "device", "device_group",
-            "cpu_group", "pcie_ipc_comm"} <= assigned
+    assigned = {
+        t.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    assert {
+        "unique_name",
+        "world_size",
+        "rank_in_group",
+        "device",
+        "device_group",
+        "cpu_group",
+        "pcie_ipc_comm",
+    } <= assigned
 
 
 def test_every_slot_member_sglang_uses_exists_with_the_call_shape_sglang_uses():
@@ -95,8 +112,11 @@ def test_sglang_dispatches_to_the_slot_after_the_custom_all_reduce():
 
     order = inspect.getsource(GroupCoordinator._resolve_outplace_all_reduce_method)
     # The custom all-reduce (NVLink hosts) is asked first: the CPU tests have none to show it.
-    assert order.index('return "ca"') < order.index('return "pcie_ipc"') < order.index(
-        'return "pynccl"')
+    assert (
+        order.index('return "ca"')
+        < order.index('return "pcie_ipc"')
+        < order.index('return "pynccl"')
+    )
 
 
 def test_the_config_paths_we_read_are_sglangs_namespaces():
@@ -108,21 +128,30 @@ def test_the_config_paths_we_read_are_sglangs_namespaces():
     # get_exec().graph.cuda_graph_config, get_spec().speculative_*,
     # get_exec().deterministic.enable_deterministic_inference,
     # get_exec().kernel.disable_flashinfer_autotune
-    assert {f: namespaces[f] for f in ("cuda_graph_config", "speculative_algorithm",
-                                        "speculative_num_draft_tokens",
-                                        "enable_deterministic_inference",
-                                        "disable_flashinfer_autotune")} == {
-        "cuda_graph_config": "exec.graph", "speculative_algorithm": "spec",
+    assert {
+        f: namespaces[f]
+        for f in (
+            "cuda_graph_config",
+            "speculative_algorithm",
+            "speculative_num_draft_tokens",
+            "enable_deterministic_inference",
+            "disable_flashinfer_autotune",
+        )
+    } == {
+        "cuda_graph_config": "exec.graph",
+        "speculative_algorithm": "spec",
         "speculative_num_draft_tokens": "spec",
         "enable_deterministic_inference": "exec.deterministic",
-        "disable_flashinfer_autotune": "exec.kernel"}
+        "disable_flashinfer_autotune": "exec.kernel",
+    }
     assert isinstance(CudaGraphConfig().decode, PhaseConfig)
     assert "max_bs" in {f.name for f in PhaseConfig.__dataclass_fields__.values()}
     # SGLang's runtime context adds the launch-time draft capacity next to the active width.
     from sglang.srt import runtime_context
 
     assert '"max_speculative_num_draft_tokens"' in inspect.getsource(
-        runtime_context.RuntimeContext.set_server_args)
+        runtime_context.RuntimeContext.set_server_args
+    )
 
 
 def test_the_accessors_raise_value_error_until_server_args_are_published():
@@ -144,8 +173,11 @@ def test_the_deterministic_rule_and_the_flags_are_sglangs():
 
     rule = inspect.getattr_static(GroupCoordinator, "_deterministic_collectives_enabled")
     assert isinstance(rule, staticmethod)
-    for flag in ("SGLANG_USE_1STAGE_ALLREDUCE", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
-                 ours.UPSTREAM_FLAG):
+    for flag in (
+        "SGLANG_USE_1STAGE_ALLREDUCE",
+        "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
+        ours.UPSTREAM_FLAG,
+    ):
         assert hasattr(envs, flag), flag
     # The upstream slot is only ever built for the group named exactly "tp".
     from sglang.srt.distributed.device_communicators import pcie_ipc_ar

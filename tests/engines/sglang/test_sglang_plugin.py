@@ -18,25 +18,38 @@ TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
 
 
 def _our_modules() -> list:
-    return sorted(m for m in sys.modules if m == "pcie_allreduce" or
-                  m.startswith("pcie_allreduce."))
+    return sorted(
+        m for m in sys.modules if m == "pcie_allreduce" or m.startswith("pcie_allreduce.")
+    )
 
 
 def _plugins_and_tp_group(rank: int, world: int) -> Dict[str, Any]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     load_sglang_plugins()
-    hooks = [(hook_type.value, f"{hook.__module__}.{hook.__qualname__}",
-              source.plugin_name if source else None)
-             for hook_type, hook, source in HookRegistry._hooks.get(TARGET, [])]
+    hooks = [
+        (
+            hook_type.value,
+            f"{hook.__module__}.{hook.__qualname__}",
+            source.plugin_name if source else None,
+        )
+        for hook_type, hook, source in HookRegistry._hooks.get(TARGET, [])
+    ]
     from sglang.srt.distributed.parallel_state import GroupCoordinator
 
     wrapped = hasattr(GroupCoordinator.__init__, "__wrapped__")
     tp = make_group(rank, "tp")
     slot = tp.pcie_ipc_comm
-    out = {"hooks": hooks, "patched": TARGET in HookRegistry._patched, "wrapped": wrapped,
-           "slot": type(slot).__module__ + "." + type(slot).__name__, "disabled": slot.disabled,
-           "device": str(slot.device), "rank": slot.rank, "world": slot.world_size}
+    out = {
+        "hooks": hooks,
+        "patched": TARGET in HookRegistry._patched,
+        "wrapped": wrapped,
+        "slot": type(slot).__module__ + "." + type(slot).__name__,
+        "disabled": slot.disabled,
+        "device": str(slot.device),
+        "rank": slot.rank,
+        "world": slot.world_size,
+    }
     tp.destroy()
     return out
 
@@ -55,14 +68,18 @@ def _flag_off(rank: int, world: int) -> Dict[str, Any]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     load_sglang_plugins()
-    after_plugins = {"ours_loaded": OURS in sys.modules, "our_modules": _our_modules(),
-                     "parallel_state": "sglang.srt.distributed.parallel_state" in sys.modules,
-                     "hooks": len(HookRegistry._hooks.get(TARGET, []))}
+    after_plugins = {
+        "ours_loaded": OURS in sys.modules,
+        "our_modules": _our_modules(),
+        "parallel_state": "sglang.srt.distributed.parallel_state" in sys.modules,
+        "hooks": len(HookRegistry._hooks.get(TARGET, [])),
+    }
     from sglang.srt.distributed.parallel_state import GroupCoordinator
 
     after_plugins["wrapped"] = [
         hasattr(getattr(GroupCoordinator, m), "__wrapped__")
-        for m in ("__init__", "_reduce_scatter_tensor", "_all_gather_into_tensor")]
+        for m in ("__init__", "_reduce_scatter_tensor", "_all_gather_into_tensor")
+    ]
     tp = make_group(rank, "tp")
     slot = tp.pcie_ipc_comm
     after_plugins["slot"] = None if slot is None else type(slot).__name__
@@ -74,9 +91,16 @@ def _flag_off(rank: int, world: int) -> Dict[str, Any]:
 @pytest.mark.parametrize("flag", [None, "0"])
 def test_flag_off_installs_nothing_and_imports_nothing_beyond_the_entry_point(flag):
     baseline = subprocess.run(
-        [sys.executable, "-c", f"import sys, {OURS}; print(sorted(m for m in sys.modules if "
-         "m == 'pcie_allreduce' or m.startswith('pcie_allreduce.')))"],
-        check=True, capture_output=True, text=True).stdout.strip()
+        [
+            sys.executable,
+            "-c",
+            f"import sys, {OURS}; print(sorted(m for m in sys.modules if "
+            "m == 'pcie_allreduce' or m.startswith('pcie_allreduce.')))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     for r in run_ranks(_flag_off, env={"PCIE_ALLREDUCE_ENABLE": flag}):
         value = r["value"]
         assert value["ours_loaded"]  # SGLang found the entry point and called register()
@@ -121,8 +145,9 @@ def _near_misses(rank: int, world: int) -> Dict[str, Any]:
 def test_near_miss_group_names_get_nothing():
     for r in run_ranks(_near_misses, env=ON):
         value = r["value"]
-        assert {name: value[str(name)] for name in NEAR_MISSES} == \
-            {name: None for name in NEAR_MISSES}
+        assert {name: value[str(name)] for name in NEAR_MISSES} == {
+            name: None for name in NEAR_MISSES
+        }
         assert value["tp"] == "SglangPcieAllReduce"
         assert len(lines([r], "is not the tensor-parallel group")) == len(NEAR_MISSES)
 

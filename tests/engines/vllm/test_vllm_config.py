@@ -24,8 +24,10 @@ def model_dir(tmp_path_factory):
 
 def _values(config):
     missing = []
-    values = {key: vllm_adapter._get(config, path, missing)
-              for key, path in vllm_adapter.CONFIG_PATHS.items()}
+    values = {
+        key: vllm_adapter._get(config, path, missing)
+        for key, path in vllm_adapter.CONFIG_PATHS.items()
+    }
     return values, missing
 
 
@@ -52,12 +54,20 @@ def test_a_renamed_attribute_is_reported_not_read_as_unset(model_dir):
     assert config.speculative_config is None
     assert _values(config)[1] == []
     # A config that lacks sections altogether names each path it could not read.
-    partial = types.SimpleNamespace(model_config=config.model_config,
-                                    scheduler_config=config.scheduler_config)
+    partial = types.SimpleNamespace(
+        model_config=config.model_config, scheduler_config=config.scheduler_config
+    )
     settings = vllm_adapter.read_config(partial)
-    assert set(settings.missing) == {vllm_adapter.CONFIG_PATHS[k] for k in (
-        "max_capture_tokens", "capture_sizes", "num_speculative_tokens",
-        "flashinfer_autotune", "ubatching")}
+    assert set(settings.missing) == {
+        vllm_adapter.CONFIG_PATHS[k]
+        for k in (
+            "max_capture_tokens",
+            "capture_sizes",
+            "num_speculative_tokens",
+            "flashinfer_autotune",
+            "ubatching",
+        )
+    }
     assert settings.hidden == TINY_HIDDEN
     assert settings.max_bs == config.scheduler_config.max_num_seqs
 
@@ -68,7 +78,8 @@ def test_the_environment_flags_and_hooks_the_adapter_uses_exist_upstream():
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.device_communicators import cuda_communicator
     from vllm.distributed.device_communicators.flashinfer_pcie_ipc_all_reduce import (
-        FlashInferPcieIpcAllReduce)
+        FlashInferPcieIpcAllReduce,
+    )
 
     for flag in ("VLLM_BATCH_INVARIANT", vllm_adapter.UPSTREAM_FLAG):
         assert flag in envs.environment_variables
@@ -93,15 +104,17 @@ def test_our_entry_point_is_in_vllms_general_plugin_group():
     import vllm.plugins
 
     assert vllm.plugins.DEFAULT_PLUGINS_GROUP == "vllm.general_plugins"
-    ours = [ep for ep in metadata.entry_points(group=vllm.plugins.DEFAULT_PLUGINS_GROUP)
-            if ep.name == "pcie_allreduce"]
+    ours = [
+        ep
+        for ep in metadata.entry_points(group=vllm.plugins.DEFAULT_PLUGINS_GROUP)
+        if ep.name == "pcie_allreduce"
+    ]
     assert [ep.value for ep in ours] == ["pcie_allreduce.integrations.vllm:register"]
     assert ours[0].load() is vllm_adapter.register
 
 
 # ---------------------------------------------------------------------- sizing
-def test_eager_sizing_is_max_num_seqs_times_the_tokens_verified_per_step(model_dir,
-                                                                        monkeypatch):
+def test_eager_sizing_is_max_num_seqs_times_the_tokens_verified_per_step(model_dir, monkeypatch):
     monkeypatch.delenv("PCIE_ALLREDUCE_MAX_NUMEL", raising=False)
     plain = make_config(model_dir, max_num_seqs=8)
     spec = make_config(model_dir, max_num_seqs=8, speculative_tokens=3)
@@ -113,15 +126,19 @@ def test_eager_sizing_is_max_num_seqs_times_the_tokens_verified_per_step(model_d
         assert s.max_bs == config.scheduler_config.max_num_seqs
         sizing = vllm_adapter.workspace_sizing(s)
         assert not sizing.guessed
-        assert sizing.max_numel == (config.scheduler_config.max_num_seqs
-                                    * config.uniform_decode_query_len
-                                    * config.model_config.get_hidden_size())
-    assert (vllm_adapter.read_config(spec).draft_tokens
-            > vllm_adapter.read_config(plain).draft_tokens)
+        assert sizing.max_numel == (
+            config.scheduler_config.max_num_seqs
+            * config.uniform_decode_query_len
+            * config.model_config.get_hidden_size()
+        )
+    assert (
+        vllm_adapter.read_config(spec).draft_tokens > vllm_adapter.read_config(plain).draft_tokens
+    )
 
 
 def test_graph_sizing_covers_the_largest_captured_graph_which_already_counts_draft_tokens(
-        model_dir, monkeypatch):
+    model_dir, monkeypatch
+):
     monkeypatch.delenv("PCIE_ALLREDUCE_MAX_NUMEL", raising=False)
     for k in (None, 3):
         config = make_config(model_dir, max_num_seqs=8, speculative_tokens=k, graphs=True)
@@ -149,8 +166,10 @@ def test_without_a_model_or_a_config_the_size_is_an_announced_guess(monkeypatch,
 
     no_model = make_config(None)
     assert no_model.model_config is None
-    for config, unread in ((no_model, "the hidden size"),
-                           (None, "the decode max batch and the hidden size")):
+    for config, unread in (
+        (no_model, "the hidden size"),
+        (None, "the decode max batch and the hidden size"),
+    ):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pcie_allreduce"):
             sizing = vllm_adapter.workspace_sizing(vllm_adapter.read_config(config))
@@ -160,8 +179,12 @@ def test_without_a_model_or_a_config_the_size_is_an_announced_guess(monkeypatch,
 
 
 def test_the_warm_up_follows_vllms_flashinfer_autotune_switch(model_dir):
-    assert vllm_adapter.read_config(make_config(model_dir, flashinfer_autotune=False)) \
-        .autotune_disabled is True
+    assert (
+        vllm_adapter.read_config(
+            make_config(model_dir, flashinfer_autotune=False)
+        ).autotune_disabled
+        is True
+    )
     on = make_config(model_dir, flashinfer_autotune=True)
     assert on.kernel_config.enable_flashinfer_autotune is True
     assert vllm_adapter.read_config(on).autotune_disabled is False

@@ -46,10 +46,15 @@ def _graphs(tp_name: str, dtype: Any) -> Dict[str, Any]:
         summed = torch.ops.vllm.all_reduce(x, group_name=tp_name)
         return vllm.ir.ops.rms_norm(summed, weight, EPS), summed
 
-    r, x, w = (torch.empty(ROWS, HIDDEN, dtype=dtype), torch.empty(ROWS, HIDDEN, dtype=dtype),
-               torch.empty(HIDDEN, dtype=dtype))
-    return {"add_norm": make_fx(add_norm, tracing_mode="fake")(r, x, w),
-            "norm": make_fx(norm, tracing_mode="fake")(x, w)}
+    r, x, w = (
+        torch.empty(ROWS, HIDDEN, dtype=dtype),
+        torch.empty(ROWS, HIDDEN, dtype=dtype),
+        torch.empty(HIDDEN, dtype=dtype),
+    )
+    return {
+        "add_norm": make_fx(add_norm, tracing_mode="fake")(r, x, w),
+        "norm": make_fx(norm, tracing_mode="fake")(x, w),
+    }
 
 
 def _targets(gm: Any) -> list:
@@ -66,8 +71,11 @@ def _fused_rank(rank: int, world: int, init_file: str, model_dir: str) -> Dict[s
     tp = h.init_vllm_groups(rank, world, init_file, config=config)
     slot = h.slot_of(tp)
     held = config.compilation_config.inductor_compile_config.get(current_platform.pass_key)
-    out: Dict[str, Any] = {"pass": type(held).__name__, "group": getattr(held, "group_name", None),
-                           "tp": tp.unique_name}
+    out: Dict[str, Any] = {
+        "pass": type(held).__name__,
+        "group": getattr(held, "group_name", None),
+        "tp": tp.unique_name,
+    }
     # vLLM's own pass manager takes it (the check its backend makes before adding it).
     from vllm.compilation.passes.inductor_pass import InductorPass
 
@@ -85,14 +93,18 @@ def _fused_rank(rank: int, world: int, init_file: str, model_dir: str) -> Dict[s
         targets[name] = (before, _targets(gm), held.matched_count)
         if name == "add_norm":
             y, r = gm(res, x, w)
-            errors[name] = ((y.double() - y_ref).abs().max().item(),
-                            (r.double() - r_ref).abs().max().item())
+            errors[name] = (
+                (y.double() - y_ref).abs().max().item(),
+                (r.double() - r_ref).abs().max().item(),
+            )
         else:
             y, s = gm(x, w)
             s_ref = sum(t.to(dtype).double() for t in xs)
             y_only = s_ref * (s_ref.pow(2).mean(-1, keepdim=True) + EPS).rsqrt() * w.double()
-            errors[name] = ((y.double() - y_only).abs().max().item(),
-                            (s.double() - s_ref).abs().max().item())
+            errors[name] = (
+                (y.double() - y_only).abs().max().item(),
+                (s.double() - s_ref).abs().max().item(),
+            )
     out.update(targets=targets, errors=errors, residual_untouched=torch.equal(res, res_before))
     out["routed"] = slot.stats()["fused_routed"]
 

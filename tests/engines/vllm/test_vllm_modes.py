@@ -9,8 +9,16 @@ from typing import Any, Dict
 import pytest
 
 import vllm_harness
-from vllm_harness import (TINY_HIDDEN, capture_logs, init_vllm_groups, make_config,
-                          run_ranks, slot_of, teardown_vllm_groups, tiny_model_dir)
+from vllm_harness import (
+    TINY_HIDDEN,
+    capture_logs,
+    init_vllm_groups,
+    make_config,
+    run_ranks,
+    slot_of,
+    teardown_vllm_groups,
+    tiny_model_dir,
+)
 
 UPSTREAM_FLAG = "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC"
 
@@ -47,8 +55,8 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
         return {
             "owner": type(adapter).__name__,
             "built": len(built),
-            "destroyed_theirs": len(destroyed) == len(built) and all(
-                b is d for b, d in zip(built, destroyed)),
+            "destroyed_theirs": len(destroyed) == len(built)
+            and all(b is d for b, d in zip(built, destroyed)),
             "conflict_lines": ours,
             "install_lines": logs.matching("vLLM group tp"),
             "stats": adapter.stats(),
@@ -69,13 +77,17 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
         return real_prepare(hidden, max_rows)
 
     adapter.ar.prepare = prepare_spy
-    flashinfer_autotune_cache.resolve_flashinfer_autotune_file = (
-        lambda runner: Path(root) / f"flashinfer-rank{rank}" / "autotune_configs.json")
-    fi.warmup_flashinfer_pcie_ipc_allreduce(SimpleNamespace(
-        vllm_config=config, model_config=config.model_config, model_runner=None))
+    flashinfer_autotune_cache.resolve_flashinfer_autotune_file = lambda runner: (
+        Path(root) / f"flashinfer-rank{rank}" / "autotune_configs.json"
+    )
+    fi.warmup_flashinfer_pcie_ipc_allreduce(
+        SimpleNamespace(vllm_config=config, model_config=config.model_config, model_runner=None)
+    )
     out["setup_prepared"] = prepared
-    out["setup_expected"] = (config.model_config.get_hidden_size(),
-                             max(config.compilation_config.cudagraph_capture_sizes))
+    out["setup_expected"] = (
+        config.model_config.get_hidden_size(),
+        max(config.compilation_config.cudagraph_capture_sizes),
+    )
 
     # 2: deterministic inference (vLLM then builds no FlashInfer PCIe backend of its own),
     # with the workspace set explicitly.
@@ -92,12 +104,16 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
     adapter = slot_of(tp)
     out["deterministic"] = phase(tp)
     sizes = [8, 64, 512, 4096, 8192]
-    out["tactics"] = {adapter.ar.chosen_tactic(torch.empty(n, dtype=dtype))
-                      for n in sizes for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+    out["tactics"] = {
+        adapter.ar.chosen_tactic(torch.empty(n, dtype=dtype))
+        for n in sizes
+        for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    }
     sums = []
     for n in sizes:
-        x = torch.full((n // TINY_HIDDEN or 1, min(n, TINY_HIDDEN)), float(rank + 1),
-                       dtype=torch.bfloat16)
+        x = torch.full(
+            (n // TINY_HIDDEN or 1, min(n, TINY_HIDDEN)), float(rank + 1), dtype=torch.bfloat16
+        )
         sums.append(bool((tp.all_reduce(x).float() == world * (world + 1) / 2).all()))
     out["sums_ok"] = all(sums)
     out["calls"] = adapter.stats()["calls"]
@@ -108,8 +124,9 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
 @pytest.fixture(scope="module")
 def both_flags(tmp_path_factory):
     before, first = vllm_harness.shm_entries(), len(vllm_harness.SPAWNED_PIDS)
-    results = run_ranks(_both_flags, 2, str(tmp_path_factory.mktemp("both")),
-                        env={UPSTREAM_FLAG: "1"}).values()
+    results = run_ranks(
+        _both_flags, 2, str(tmp_path_factory.mktemp("both")), env={UPSTREAM_FLAG: "1"}
+    ).values()
     assert vllm_harness.leaked_since(before, first) == set()
     return results
 
@@ -148,8 +165,7 @@ def test_batch_invariant_mode_pins_one_oneshot_tactic_for_every_size(both_flags)
             assert "PCIE_ALLREDUCE_MAX_NUMEL=8192" in d["install_lines"][0]
 
 
-def _warm_up(rank: int, world: int, init_file: str, root: str, cache_dir: str
-             ) -> Dict[str, Any]:
+def _warm_up(rank: int, world: int, init_file: str, root: str, cache_dir: str) -> Dict[str, Any]:
     import os
 
     from vllm.config import set_current_vllm_config
@@ -168,9 +184,11 @@ def _warm_up(rank: int, world: int, init_file: str, root: str, cache_dir: str
                 ps.initialize_model_parallel(tensor_model_parallel_size=world)
             tp = ps.get_tp_group()
         adapter = slot_of(tp)
-        phases[name] = {"warm_up": adapter.warm_up,
-                        "table_source": adapter.stats()["table_source"],
-                        "cache_files": sorted(os.listdir(cache_dir))}
+        phases[name] = {
+            "warm_up": adapter.warm_up,
+            "table_source": adapter.stats()["table_source"],
+            "cache_files": sorted(os.listdir(cache_dir)),
+        }
         ps.destroy_model_parallel()
     teardown_vllm_groups()
     return phases

@@ -8,8 +8,16 @@ from typing import Any, Dict
 
 import pytest
 
-from vllm_harness import (TINY_HIDDEN, capture_logs, init_vllm_groups, make_config,
-                          run_ranks, slot_of, teardown_vllm_groups, tiny_model_dir)
+from vllm_harness import (
+    TINY_HIDDEN,
+    capture_logs,
+    init_vllm_groups,
+    make_config,
+    run_ranks,
+    slot_of,
+    teardown_vllm_groups,
+    tiny_model_dir,
+)
 
 CUDA_COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
 WRAPPED = "_pcie_allreduce_original_init"
@@ -30,13 +38,22 @@ def _flag_off(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     out["wrapped"] = WRAPPED in CudaCommunicator.__dict__
-    tp = init_vllm_groups(rank, world, init_file, config=make_config(tiny_model_dir(root)),
-                          plugins=False)
+    tp = init_vllm_groups(
+        rank, world, init_file, config=make_config(tiny_model_dir(root)), plugins=False
+    )
     out["communicator"] = type(tp.device_communicator).__name__
     out["slot"] = slot_of(tp)
-    out["routed"] = sorted(n for n in ("reduce_scatter", "all_gather", "reduce_scatterv",
-                                       "reduce_scatterv_into_output", "all_gatherv")
-                           if n in tp.device_communicator.__dict__)
+    out["routed"] = sorted(
+        n
+        for n in (
+            "reduce_scatter",
+            "all_gather",
+            "reduce_scatterv",
+            "reduce_scatterv_into_output",
+            "all_gatherv",
+        )
+        if n in tp.device_communicator.__dict__
+    )
     t = torch.full((2, TINY_HIDDEN), float(rank + 1), dtype=torch.bfloat16)
     out["sum_ok"] = bool((tp.all_reduce(t).float() == world * (world + 1) / 2).all())
     teardown_vllm_groups()
@@ -89,17 +106,23 @@ def _eligibility(rank: int, world: int, init_file: str, root: str) -> Dict[str, 
     out: Dict[str, Any] = {"tp": type(slot_of(tp)).__name__, "near_misses": {}}
     with set_current_vllm_config(config):
         for name in NEAR_MISSES:
-            g = ps.init_model_parallel_group([list(range(world))], rank, "gloo",
-                                             group_name=name)
-            out["near_misses"][str(name)] = (type(g.device_communicator).__name__,
-                                             g.unique_name, slot_of(g))
+            g = ps.init_model_parallel_group([list(range(world))], rank, "gloo", group_name=name)
+            out["near_misses"][str(name)] = (
+                type(g.device_communicator).__name__,
+                g.unique_name,
+                slot_of(g),
+            )
             g.destroy()
     # World size 1: vLLM builds no device communicator for a one-rank group at all, so the
     # real CudaCommunicator is built directly over a one-rank group named tp.
     singles = [torch.distributed.new_group([r], backend="gloo") for r in range(world)]
     with set_current_vllm_config(config):
-        single = CudaCommunicator(cpu_group=singles[rank], device=torch.device("cpu"),
-                                  device_group=singles[rank], unique_name="tp:9")
+        single = CudaCommunicator(
+            cpu_group=singles[rank],
+            device=torch.device("cpu"),
+            device_group=singles[rank],
+            unique_name="tp:9",
+        )
     out["world1"] = (single.world_size, single.fi_pcie_ipc_ar_comm)
     single.destroy()
     # Dual-batch overlap: two micro-batches reduce at once, so the tp group gets nothing.

@@ -7,8 +7,16 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from vllm_harness import (TINY_HIDDEN, capture_logs, fake_cuda_streams, init_vllm_groups,
-                          make_config, run_ranks, slot_of, tiny_model_dir)
+from vllm_harness import (
+    TINY_HIDDEN,
+    capture_logs,
+    fake_cuda_streams,
+    init_vllm_groups,
+    make_config,
+    run_ranks,
+    slot_of,
+    tiny_model_dir,
+)
 
 
 def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
@@ -31,15 +39,19 @@ def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
     comm = tp.device_communicator
     adapter = slot_of(tp)
     out: Dict[str, Any] = {
-        "plugin_imported": sorted(m for m in imported if "cuda_communicator" in m
-                                  or m == "pcie_allreduce.integrations.vllm"),
+        "plugin_imported": sorted(
+            m
+            for m in imported
+            if "cuda_communicator" in m or m == "pcie_allreduce.integrations.vllm"
+        ),
         "wrapped": "_pcie_allreduce_original_init" in CudaCommunicator.__dict__,
         "communicator": type(comm).__name__,
         "is_cuda_communicator": isinstance(comm, CudaCommunicator),
         "slot": f"{type(adapter).__module__}.{type(adapter).__name__}",
         "max_numel": adapter.ar.max_numel,
         "expected_numel": config.scheduler_config.max_num_seqs
-        * (1 + config.num_speculative_tokens) * config.model_config.get_hidden_size(),
+        * (1 + config.num_speculative_tokens)
+        * config.model_config.get_hidden_size(),
         "enabled": adapter.ar.enabled,
         "slot_state": (adapter.disabled, adapter.initialized),
         "transport": adapter.transport,
@@ -57,15 +69,24 @@ def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
     small = torch.full((rows, TINY_HIDDEN), float(rank + 1), dtype=torch.bfloat16)
     before = (calls(), declines())
     result = tp.all_reduce(small)
-    out["small"] = {"sum_ok": bool((result.float() == world * (world + 1) / 2).all()),
-                    "input_kept": bool((small.float() == rank + 1).all()),
-                    "calls": calls() - before[0], "declines_same": declines() == before[1]}
+    out["small"] = {
+        "sum_ok": bool((result.float() == world * (world + 1) / 2).all()),
+        "input_kept": bool((small.float() == rank + 1).all()),
+        "calls": calls() - before[0],
+        "declines_same": declines() == before[1],
+    }
     # Declined: larger than the workspace, and a dtype the kernels do not run. vLLM's own
     # fallback (torch.distributed on its device group here) must produce the sum.
     declined = {}
     for label, t in (
-        ("too_large", torch.full((2 * adapter.ar.max_numel // TINY_HIDDEN, TINY_HIDDEN),
-                                 float(rank + 1), dtype=torch.float32)),
+        (
+            "too_large",
+            torch.full(
+                (2 * adapter.ar.max_numel // TINY_HIDDEN, TINY_HIDDEN),
+                float(rank + 1),
+                dtype=torch.float32,
+            ),
+        ),
         ("dtype", torch.full((rows, TINY_HIDDEN), rank + 1, dtype=torch.int64)),
     ):
         before = (calls(), declines())
@@ -74,8 +95,11 @@ def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
         declined[label] = {
             "sum_ok": bool((r.double() == world * (world + 1) / 2).all()),
             "our_calls": calls() - before[0],
-            "new_declines": {k: after.get(k, 0) - before[1].get(k, 0) for k in after
-                             if after.get(k, 0) != before[1].get(k, 0)},
+            "new_declines": {
+                k: after.get(k, 0) - before[1].get(k, 0)
+                for k in after
+                if after.get(k, 0) != before[1].get(k, 0)
+            },
             "why": adapter.ar.decline_reason(t),
         }
     out["declined"] = declined
@@ -110,13 +134,13 @@ def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
     return out
 
 
-def test_the_real_tp_group_dispatches_captures_and_destroys_through_our_slot(tmp_path,
-                                                                              clean_shm):
+def test_the_real_tp_group_dispatches_captures_and_destroys_through_our_slot(tmp_path, clean_shm):
     results = run_ranks(_served, 2, str(tmp_path)).values()
     for rank, r in enumerate(results):
         assert r["plugin_imported"] == [
             "pcie_allreduce.integrations.vllm",
-            "vllm.distributed.device_communicators.cuda_communicator"]
+            "vllm.distributed.device_communicators.cuda_communicator",
+        ]
         assert r["wrapped"]
         assert r["is_cuda_communicator"], r["communicator"]
         assert r["slot"] == "pcie_allreduce.integrations.vllm.VllmPcieAllReduce"
@@ -130,8 +154,7 @@ def test_the_real_tp_group_dispatches_captures_and_destroys_through_our_slot(tmp
             assert f"= {r['expected_numel']} elements" in r["install_lines"][0]
             assert "max_num_seqs" in r["install_lines"][0]
 
-        assert r["small"] == {"sum_ok": True, "input_kept": True, "calls": 1,
-                              "declines_same": True}
+        assert r["small"] == {"sum_ok": True, "input_kept": True, "calls": 1, "declines_same": True}
         for label, d in r["declined"].items():
             assert d["sum_ok"], (label, d)
             assert d["our_calls"] == 0, (label, d)  # vLLM's chain ran it, not ours

@@ -39,9 +39,15 @@ VLLM_CPU_ENV = {
 # no 60 s warm-up tune (one test turns it back on with a small budget).
 OUR_ENV = {"PCIE_ALLREDUCE_ENABLE": "1", "PCIE_ALLREDUCE_DISABLE_AUTOTUNE": "1"}
 # Unset in the test session unless a test sets them.
-FLAGS_UNDER_TEST = ("PCIE_ALLREDUCE_ENABLE", "PCIE_ALLREDUCE_DISABLE_AUTOTUNE",
-                    "PCIE_ALLREDUCE_MAX_NUMEL", "PCIE_ALLREDUCE_TABLE", "VLLM_BATCH_INVARIANT",
-                    "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC", "VLLM_PLUGINS")
+FLAGS_UNDER_TEST = (
+    "PCIE_ALLREDUCE_ENABLE",
+    "PCIE_ALLREDUCE_DISABLE_AUTOTUNE",
+    "PCIE_ALLREDUCE_MAX_NUMEL",
+    "PCIE_ALLREDUCE_TABLE",
+    "VLLM_BATCH_INVARIANT",
+    "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC",
+    "VLLM_PLUGINS",
+)
 
 SPAWNED_PIDS: List[int] = []  # every rank process run_ranks started in this session
 
@@ -52,7 +58,7 @@ def shm_entries() -> set[str]:
 
 def creator_pid(name: str) -> int:
     """The pid in a segment name "pcie_ar.<pid>.<...>" (0 when there is none)."""
-    field = name[len(SHM_PREFIX):].split(".", 1)[0]
+    field = name[len(SHM_PREFIX) :].split(".", 1)[0]
     return int(field) if field.isdigit() else 0
 
 
@@ -69,12 +75,23 @@ def tiny_model_dir(root: str) -> str:
     reads it (hidden size TINY_HIDDEN) without a hub or vLLM's compiled model code."""
     path = Path(root) / "tiny-model"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": [TINY_ARCH], "model_type": "llama", "hidden_size": TINY_HIDDEN,
-        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 512,
-        "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
-    }))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": [TINY_ARCH],
+                "model_type": "llama",
+                "hidden_size": TINY_HIDDEN,
+                "intermediate_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 1024,
+                "max_position_embeddings": 512,
+                "torch_dtype": "bfloat16",
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
     return str(path)
 
 
@@ -99,14 +116,25 @@ def register_tiny_model() -> None:
         ModelRegistry.register_model(TINY_ARCH, PcieArTinyForCausalLM)
 
 
-def make_config(model_dir: Optional[str] = None, *, max_num_seqs: int = 8,
-                speculative_tokens: Optional[int] = None, graphs: bool = False,
-                flashinfer_autotune: Optional[bool] = None) -> Any:
+def make_config(
+    model_dir: Optional[str] = None,
+    *,
+    max_num_seqs: int = 8,
+    speculative_tokens: Optional[int] = None,
+    graphs: bool = False,
+    flashinfer_autotune: Optional[bool] = None,
+) -> Any:
     """A real, resolved VllmConfig. Without ``model_dir``: VllmConfig() (no model). ``graphs``:
     re-runs vLLM's own capture-size derivation as the CUDA platform would (the CPU platform
     turns CUDA graphs off)."""
-    from vllm.config import (CUDAGraphMode, KernelConfig, ModelConfig, SchedulerConfig,
-                             SpeculativeConfig, VllmConfig)
+    from vllm.config import (
+        CUDAGraphMode,
+        KernelConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
 
     if model_dir is None:
         return VllmConfig()
@@ -114,15 +142,23 @@ def make_config(model_dir: Optional[str] = None, *, max_num_seqs: int = 8,
     kwargs: Dict[str, Any] = {}
     if speculative_tokens:
         kwargs["speculative_config"] = SpeculativeConfig(
-            method="ngram", num_speculative_tokens=speculative_tokens, prompt_lookup_max=3,
-            prompt_lookup_min=1)
+            method="ngram",
+            num_speculative_tokens=speculative_tokens,
+            prompt_lookup_max=3,
+            prompt_lookup_min=1,
+        )
     if flashinfer_autotune is not None:
         kwargs["kernel_config"] = KernelConfig(enable_flashinfer_autotune=flashinfer_autotune)
     config = VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-                                         max_model_len=512, is_encoder_decoder=False),
-        **kwargs)
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=2048,
+            max_model_len=512,
+            is_encoder_decoder=False,
+        ),
+        **kwargs,
+    )
     if graphs:
         cc = config.compilation_config
         cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -149,8 +185,9 @@ def point_platform_at_cuda_communicator() -> None:
     current_platform.get_device_communicator_cls = lambda: CUDA_COMMUNICATOR
 
 
-def init_vllm_groups(rank: int, world: int, init_file: str, *, tp: int = 2,
-                     config: Any = None, plugins: bool = True) -> Any:
+def init_vllm_groups(
+    rank: int, world: int, init_file: str, *, tp: int = 2, config: Any = None, plugins: bool = True
+) -> Any:
     """vLLM's worker path on the CPU: plugins, then the world and model-parallel groups inside
     set_current_vllm_config. Returns the tp GroupCoordinator."""
     if plugins:
@@ -163,9 +200,13 @@ def init_vllm_groups(rank: int, world: int, init_file: str, *, tp: int = 2,
 
     ps.set_custom_all_reduce(False)
     with set_current_vllm_config(config if config is not None else VllmConfig()):
-        ps.init_distributed_environment(world_size=world, rank=rank,
-                                        distributed_init_method=f"file://{init_file}",
-                                        local_rank=rank, backend="gloo")
+        ps.init_distributed_environment(
+            world_size=world,
+            rank=rank,
+            distributed_init_method=f"file://{init_file}",
+            local_rank=rank,
+            backend="gloo",
+        )
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     return ps.get_tp_group()
 
@@ -205,8 +246,15 @@ def fake_cuda_streams() -> None:
 
 
 # ---------------------------------------------------------------------- spawned ranks
-def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple,
-           env: Dict[str, str], out_dir: str) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: Dict[str, str],
+    out_dir: str,
+) -> None:
     os.environ.update(VLLM_CPU_ENV)
     os.environ.update(env)
     import torch
@@ -220,16 +268,24 @@ class RankResults(list):
         return [r["value"] for r in self]
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, env: Optional[Dict[str, str]] = None,
-              our_env: bool = True, timeout: float = 420.0) -> RankResults:
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    env: Optional[Dict[str, str]] = None,
+    our_env: bool = True,
+    timeout: float = 420.0,
+) -> RankResults:
     """Runs fn(rank, world, init_file, *args) in `world` spawned processes with the vLLM CPU
     environment (plus OUR_ENV unless `our_env` is False, then `env`). Fails the test if a
     rank hangs past `timeout` (it is killed) or raises. Returns one result dict per rank."""
     full = dict(OUR_ENV) if our_env else {}
     full.update(env or {})
     results = RankResults(
-        r if isinstance(r, dict) else {"ok": False, "error": f"exit code {r}", "type": "Died",
-                                       "traceback": ""}
-        for r in spawn_ranks(_entry, world, fn, args, full, timeout, SPAWNED_PIDS.append))
+        r
+        if isinstance(r, dict)
+        else {"ok": False, "error": f"exit code {r}", "type": "Died", "traceback": ""}
+        for r in spawn_ranks(_entry, world, fn, args, full, timeout, SPAWNED_PIDS.append)
+    )
     fail_on_errors(results)
     return results

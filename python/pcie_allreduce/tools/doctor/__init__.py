@@ -41,8 +41,9 @@ from .tables import table_report
 from .verdict import gpu_verdict, host_verdict, tactic_report, transport_mode, transport_report
 
 
-def run(system: System, *, p2p_test: bool = True,
-        p2p_runner: Optional[P2PRunner] = None) -> Dict[str, Any]:
+def run(
+    system: System, *, p2p_test: bool = True, p2p_runner: Optional[P2PRunner] = None
+) -> Dict[str, Any]:
     """The whole diagnosis as one JSON-ready dict: ``ok`` and ``verdict``, then the sections."""
     inv = gather_inventory(system)
     mode, mode_error = transport_mode(system.env)
@@ -52,10 +53,17 @@ def run(system: System, *, p2p_test: bool = True,
         table = table_report(system, inv)
         host = check_host_transport(system)
         ok, verdict = host_verdict(host, table, mode_error)
-        sections = dict(gpus={"count": 0, "probe": "none", "devices": [], "problems": []},
-                        topology={"known": False}, p2p=p2p, transport=transport,
-                        iommu=iommu_report(system, None), table=table, host_transport=host,
-                        tactics=tactic_report(2, []), declines=[])
+        sections = dict(
+            gpus={"count": 0, "probe": "none", "devices": [], "problems": []},
+            topology={"known": False},
+            p2p=p2p,
+            transport=transport,
+            iommu=iommu_report(system, None),
+            table=table,
+            host_transport=host,
+            tactics=tactic_report(2, []),
+            declines=[],
+        )
     else:
         p2p = check_p2p(system, inv, skip=not p2p_test, runner=p2p_runner)
         transport = transport_report(inv, p2p, mode, mode_error)
@@ -63,13 +71,26 @@ def run(system: System, *, p2p_test: bool = True,
         tactics = tactic_report(inv.count, inv.island_of)
         ok, verdict, declines = gpu_verdict(inv, p2p, table, tactics, transport)
         sections = dict(
-            gpus={"count": inv.count, "probe": inv.probe, "driver": inv.driver,
-                  "devices": inv.gpus, "problems": inv.problems},
-            topology=topology_report(inv), p2p=p2p, transport=transport,
-            iommu=iommu_report(system, inv, p2p.get("failing", [])), table=table,
-            host_transport={"status": "not_tested", "detail": "GPUs present: "
-                            f"`pcie-allreduce bench --transport {policy.HOST_SHM}` checks it"},
-            tactics=tactics, declines=declines)
+            gpus={
+                "count": inv.count,
+                "probe": inv.probe,
+                "driver": inv.driver,
+                "devices": inv.gpus,
+                "problems": inv.problems,
+            },
+            topology=topology_report(inv),
+            p2p=p2p,
+            transport=transport,
+            iommu=iommu_report(system, inv, p2p.get("failing", [])),
+            table=table,
+            host_transport={
+                "status": "not_tested",
+                "detail": "GPUs present: "
+                f"`pcie-allreduce bench --transport {policy.HOST_SHM}` checks it",
+            },
+            tactics=tactics,
+            declines=declines,
+        )
     if system.flags()[0].enable is False:
         verdict += " (note: PCIE_ALLREDUCE_ENABLE=0 in this environment turns it off)"
     return {"ok": ok, "verdict": verdict, "system": system.label, **sections}
@@ -88,14 +109,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument(
-        "--fixture", metavar="DIR",
+        "--fixture",
+        metavar="DIR",
         help="diagnose a recorded host instead of this one: DIR holds nvidia_smi_topo.txt, "
         "query_gpu.csv, cmdline, iommu_groups, numa_nodes, p2p.json, host_transport.json, env "
         "(see tests/python/fixtures/doctor/README.md); nothing is run",
     )
-    d.add_argument("--no-p2p-test", action="store_true",
-                   help="do not run the P2P write-and-verify subprocess (a cached result is "
-                   "still reported)")
+    d.add_argument(
+        "--no-p2p-test",
+        action="store_true",
+        help="do not run the P2P write-and-verify subprocess (a cached result is still reported)",
+    )
     d.set_defaults(func=main)
     return d
 

@@ -17,39 +17,68 @@ HOST_TIMEOUT_S = 120.0  # the host-transport bench subprocess
 
 
 def host_bench_command(json_out: str) -> List[str]:
-    return [sys.executable, "-m", "pcie_allreduce", "bench", "--transport", policy.HOST_SHM,
-            "--world", "2", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "5",
-            "--warmup", "1", "--json", json_out]
+    return [
+        sys.executable,
+        "-m",
+        "pcie_allreduce",
+        "bench",
+        "--transport",
+        policy.HOST_SHM,
+        "--world",
+        "2",
+        "--min-bytes",
+        "4K",
+        "--max-bytes",
+        "4K",
+        "--iters",
+        "5",
+        "--warmup",
+        "1",
+        "--json",
+        json_out,
+    ]
 
 
-def interpret_host_run(run: RunResult, bench_json: Optional[str],
-                       timeout_s: float) -> Dict[str, Any]:
+def interpret_host_run(
+    run: RunResult, bench_json: Optional[str], timeout_s: float
+) -> Dict[str, Any]:
     if run.timed_out:
-        return {"status": "failed", "detail": f"the world-2 bench did not finish within "
-                f"{timeout_s:g} s"}
+        return {
+            "status": "failed",
+            "detail": f"the world-2 bench did not finish within {timeout_s:g} s",
+        }
     tail = " | ".join(run.output.strip().splitlines()[-3:]) or "no output"
     if run.returncode != 0 or bench_json is None:
-        return {"status": "failed", "detail": f"the world-2 bench exited with code "
-                f"{run.returncode}: {tail}"}
+        return {
+            "status": "failed",
+            "detail": f"the world-2 bench exited with code {run.returncode}: {tail}",
+        }
     try:
         result = json.loads(bench_json)
         stats, rows = result["stats"], result["rows"]
     except (ValueError, KeyError, TypeError):
         return {"status": "failed", "detail": "the world-2 bench wrote an unreadable result"}
     if not stats.get("enabled", False):
-        return {"status": "failed", "detail": "the host transport turned itself off: "
-                f"{stats.get('disabled_reason')}"}
+        return {
+            "status": "failed",
+            "detail": f"the host transport turned itself off: {stats.get('disabled_reason')}",
+        }
     tactics = sorted({str(r.get("tactic")) for r in rows})
-    return {"status": "ok", "detail": f"world-2 all-reduce of 4 KiB verified, tactic "
-            f"{', '.join(tactics)}"}
+    return {
+        "status": "ok",
+        "detail": f"world-2 all-reduce of 4 KiB verified, tactic {', '.join(tactics)}",
+    }
 
 
 def check_host_transport(system: System, timeout_s: float = HOST_TIMEOUT_S) -> Dict[str, Any]:
     recorded = system.recorded_host_transport()
     if recorded is not None:
         ok = bool(recorded.get("ok"))
-        return {"status": "ok" if ok else "failed", "detail": str(recorded.get("detail", "")),
-                "source": "recorded"}
+        return {
+            "status": "ok" if ok else "failed",
+            "detail": str(recorded.get("detail", "")),
+            "source": "recorded",
+        }
     if not system.can_run_tests():
         return {"status": "not_tested", "detail": "the fixture records no host-transport result"}
     with tempfile.TemporaryDirectory(prefix="pcie_ar_doctor.") as tmp:

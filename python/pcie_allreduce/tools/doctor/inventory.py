@@ -44,8 +44,13 @@ def nvml_inventory(nvml: Any) -> RawInventory:
         links = _nvlink_counts(nvml, handles, buses)
         classes = [
             [
-                "X" if i == j else f"NV{links[i][j]}" if links[i][j] else
-                _NVML_LEVEL_CLASS.get(int(nvml.nvmlDeviceGetTopologyCommonAncestor(a, b)), "SYS")
+                "X"
+                if i == j
+                else f"NV{links[i][j]}"
+                if links[i][j]
+                else _NVML_LEVEL_CLASS.get(
+                    int(nvml.nvmlDeviceGetTopologyCommonAncestor(a, b)), "SYS"
+                )
                 for j, b in enumerate(handles)
             ]
             for i, a in enumerate(handles)
@@ -67,8 +72,9 @@ def _nvlink_counts(nvml: Any, handles: List[Any], buses: List[str]) -> List[List
             try:
                 if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
                     continue
-                remote = sysfs_bus_id(_text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
-                                            .busId))
+                remote = sysfs_bus_id(
+                    _text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+                )
             except error:
                 break  # NOT_SUPPORTED: a PCIe-only GPU has no links at all
             j = index_of.get(remote)
@@ -116,18 +122,32 @@ def raw_inventory(system: System) -> Optional[RawInventory]:
         if found is not None and found.names:
             return found
     topo = system.nvidia_smi(["topo", "-m"])
-    query = system.nvidia_smi(["--query-gpu=index,name,pci.bus_id,driver_version",
-                               "--format=csv,noheader"])
+    query = system.nvidia_smi(
+        ["--query-gpu=index,name,pci.bus_id,driver_version", "--format=csv,noheader"]
+    )
     names, buses, driver = parse_query_gpu(query or "")
     if topo is not None or names:
-        problems = [] if query else ["nvidia-smi --query-gpu gave nothing: GPU names, bus ids "
-                                     "and driver version unknown"]
+        problems = (
+            []
+            if query
+            else [
+                "nvidia-smi --query-gpu gave nothing: GPU names, bus ids and driver version unknown"
+            ]
+        )
         return RawInventory("nvidia-smi", names, buses, driver, topo, problems)
     names = system.cuda_device_names()
     if names:
-        return RawInventory("torch", names, [], "", None, [
-            "neither NVML nor nvidia-smi answered: topology unknown (assumed one island) and "
-            "NVLink cannot be ruled out"])
+        return RawInventory(
+            "torch",
+            names,
+            [],
+            "",
+            None,
+            [
+                "neither NVML nor nvidia-smi answered: topology unknown (assumed one island) and "
+                "NVLink cannot be ruled out"
+            ],
+        )
     return None
 
 
@@ -170,16 +190,19 @@ def gather_inventory(system: System) -> Optional[Inventory]:
             problems.append(f"could not parse `nvidia-smi topo -m`: {error}")
     count = topology.world if topology is not None else len(raw.names)
     if topology is not None and raw.names and len(raw.names) != count:
-        problems.append(f"nvidia-smi lists {len(raw.names)} GPUs but its topology matrix has "
-                        f"{count}; using the matrix")
+        problems.append(
+            f"nvidia-smi lists {len(raw.names)} GPUs but its topology matrix has "
+            f"{count}; using the matrix"
+        )
     if topology is None and raw.topo_text is None and count >= 2:
         topology = _C.Topology.flat(count)
     gpus = [_gpu_entry(system, raw, topology, i) for i in range(count)]
     return Inventory(raw.probe, gpus, raw.driver, topology, problems, topology_error)
 
 
-def _gpu_entry(system: System, raw: RawInventory, topology: Optional[Any],
-               i: int) -> Dict[str, Any]:
+def _gpu_entry(
+    system: System, raw: RawInventory, topology: Optional[Any], i: int
+) -> Dict[str, Any]:
     """Name, bus id and NUMA node (sysfs, else nvidia-smi's NUMA Affinity column)."""
     bus = raw.bus_ids[i] if i < len(raw.bus_ids) else None
     numa = system.numa_node(bus) if bus else None

@@ -10,10 +10,12 @@ from .system import System
 
 _IOMMU_TRANSLATED_HINT = (
     "IOMMU on without passthrough: GPU peer writes may be redirected through the root "
-    "complex or blocked; iommu=pt or disabling ACS on the switches usually restores P2P")
+    "complex or blocked; iommu=pt or disabling ACS on the switches usually restores P2P"
+)
 _ACS_HINT = (
     "ACS on the PCIe ports between them redirects peer writes to the root complex; "
-    "`sudo lspci -vvv | grep ACSCtl` shows it (SrcValid+ ReqRedir+ means on)")
+    "`sudo lspci -vvv | grep ACSCtl` shows it (SrcValid+ ReqRedir+ means on)"
+)
 
 
 def _acs_hint(inv: Optional[Inventory], failing: Sequence[Sequence[int]]) -> str:
@@ -34,13 +36,21 @@ def _cmdline_params(cmdline: str) -> Dict[str, str]:
 def iommu_mode(cmdline: Optional[str], group_types: Optional[List[str]]) -> Tuple[str, List[str]]:
     """("off" | "passthrough" | "translated" | "on" | "unknown", the cmdline flags seen)."""
     params = _cmdline_params(cmdline or "")
-    flags = [f"{k}={v}" if v else k for k, v in params.items()
-             if k in ("intel_iommu", "amd_iommu", "iommu", "iommu.passthrough", "iommu.strict")
-             or k.startswith("pcie_acs_override") or (k == "pci" and "acs" in v)]
+    flags = [
+        f"{k}={v}" if v else k
+        for k, v in params.items()
+        if k in ("intel_iommu", "amd_iommu", "iommu", "iommu.passthrough", "iommu.strict")
+        or k.startswith("pcie_acs_override")
+        or (k == "pci" and "acs" in v)
+    ]
     vendor_on = any("on" in params.get(k, "").split(",") for k in ("intel_iommu", "amd_iommu"))
     off = any(params.get(k) == "off" for k in ("intel_iommu", "amd_iommu", "iommu"))
     passthrough = params.get("iommu") == "pt" or params.get("iommu.passthrough") in (
-        "1", "on", "y", "yes")
+        "1",
+        "on",
+        "y",
+        "yes",
+    )
     types = {t for t in (group_types or []) if t}
     if off or (group_types is not None and not group_types and not vendor_on):
         return "off", flags
@@ -53,8 +63,9 @@ def iommu_mode(cmdline: Optional[str], group_types: Optional[List[str]]) -> Tupl
     return "unknown", flags
 
 
-def iommu_report(system: System, inv: Optional[Inventory],
-                 failing: Sequence[Sequence[int]] = ()) -> Dict[str, Any]:
+def iommu_report(
+    system: System, inv: Optional[Inventory], failing: Sequence[Sequence[int]] = ()
+) -> Dict[str, Any]:
     """IOMMU mode and hints; ``failing``: the GPU pairs whose peer writes failed."""
     cmdline = system.kernel_cmdline()
     groups = system.iommu_groups()
@@ -63,13 +74,20 @@ def iommu_report(system: System, inv: Optional[Inventory],
     if mode == "translated":
         hints.append(_IOMMU_TRANSLATED_HINT)
     elif mode == "on":
-        hints.append(f"IOMMU active ({len(groups or [])} groups, domain type unknown): if P2P "
-                     "fails, try iommu=pt")
+        hints.append(
+            f"IOMMU active ({len(groups or [])} groups, domain type unknown): if P2P "
+            "fails, try iommu=pt"
+        )
     if failing:
         hints.append(_acs_hint(inv, failing))
     types: Dict[str, int] = {}
     for t in groups or []:
         types[t or "unknown"] = types.get(t or "unknown", 0) + 1
-    return {"mode": mode, "cmdline_flags": flags, "cmdline_read": cmdline is not None,
-            "groups": None if groups is None else len(groups), "group_types": types,
-            "hints": hints}
+    return {
+        "mode": mode,
+        "cmdline_flags": flags,
+        "cmdline_read": cmdline is not None,
+        "groups": None if groups is None else len(groups),
+        "group_types": types,
+        "hints": hints,
+    }

@@ -29,15 +29,20 @@ _REPORTED_PAIRS_CAP = 8  # the communicator names at most this many broken pairs
 
 
 def p2p_cache_key(driver: str, bus_ids: Sequence[str], names: Sequence[str]) -> str:
-    fields = {"driver": driver, "bus_ids": sorted(bus_ids), "names": list(names),
-              "version": P2P_CACHE_VERSION}
+    fields = {
+        "driver": driver,
+        "bus_ids": sorted(bus_ids),
+        "names": list(names),
+        "version": P2P_CACHE_VERSION,
+    }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def p2p_cache_file(cache_dir: Path, inv: Inventory) -> Path:
     tested = inv.gpus[:MAX_WORLD]
-    key = p2p_cache_key(inv.driver, [g["bus_id"] or "" for g in tested],
-                        [g["name"] for g in tested])
+    key = p2p_cache_key(
+        inv.driver, [g["bus_id"] or "" for g in tested], [g["name"] for g in tested]
+    )
     return cache_dir / f"p2p-{key}.json"
 
 
@@ -50,28 +55,38 @@ def parse_failing_pairs(reason: str) -> List[Tuple[int, int]]:
     return [(int(s), int(d)) for s, d in re.findall(r"rank (\d+) -> rank (\d+)", reason)]
 
 
-def p2p_outcome(world: int, failing: Sequence[Sequence[int]], detail: str = "",
-                truncated: bool = False) -> Dict[str, Any]:
+def p2p_outcome(
+    world: int, failing: Sequence[Sequence[int]], detail: str = "", truncated: bool = False
+) -> Dict[str, Any]:
     """Per ordered pair: "ok", "failed", or "unverified" (the failure list was cut short)."""
     bad = {(int(s), int(d)) for s, d in failing}
     unknown = "unverified" if truncated else "ok"
-    pairs = [{"src": s, "dst": d, "status": "failed" if (s, d) in bad else unknown}
-             for s, d in pair_list(world)]
-    return {"status": "failed" if bad else "ok", "world": world,
-            "failing": [list(p) for p in sorted(bad)], "pairs": pairs, "detail": detail,
-            "truncated": truncated}
+    pairs = [
+        {"src": s, "dst": d, "status": "failed" if (s, d) in bad else unknown}
+        for s, d in pair_list(world)
+    ]
+    return {
+        "status": "failed" if bad else "ok",
+        "world": world,
+        "failing": [list(p) for p in sorted(bad)],
+        "pairs": pairs,
+        "detail": detail,
+        "truncated": truncated,
+    }
 
 
 def interpret_p2p_run(world: int, run: RunResult, timeout_s: float) -> Dict[str, Any]:
     """A P2P subprocess's result: every pair ok, failing pairs, or why the test itself failed."""
     if run.timed_out:
-        return _p2p_error(f"the P2P test did not finish within {timeout_s:g} s (a hung peer "
-                          "write or a stuck rank); treat P2P as broken until it passes")
+        return _p2p_error(
+            f"the P2P test did not finish within {timeout_s:g} s (a hung peer "
+            "write or a stuck rank); treat P2P as broken until it passes"
+        )
     result = None
     for line in run.output.splitlines():
         if line.startswith(P2P_RESULT_TAG):
             try:
-                result = json.loads(line[len(P2P_RESULT_TAG):])
+                result = json.loads(line[len(P2P_RESULT_TAG) :])
             except json.JSONDecodeError:
                 result = None
     if not isinstance(result, dict):
@@ -85,8 +100,13 @@ def interpret_p2p_run(world: int, run: RunResult, timeout_s: float) -> Dict[str,
     if reason.startswith("no_p2p:"):
         failing = parse_failing_pairs(reason)
         return p2p_outcome(world, failing, reason, len(failing) >= _REPORTED_PAIRS_CAP)
-    return {"status": "inconclusive", "world": world, "failing": [], "pairs": [],
-            "detail": f"the test communicator turned itself off for another reason: {reason}"}
+    return {
+        "status": "inconclusive",
+        "world": world,
+        "failing": [],
+        "pairs": [],
+        "detail": f"the test communicator turned itself off for another reason: {reason}",
+    }
 
 
 def _p2p_error(detail: str) -> Dict[str, Any]:
@@ -107,8 +127,11 @@ def read_p2p_cache(path: Path, key_file: str) -> Optional[Dict[str, Any]]:
 
 def write_p2p_cache(path: Path, result: Dict[str, Any]) -> None:
     """Caches a completed test (never a crash or timeout: those may be transient)."""
-    record = {**result, "file": path.name, "tested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                      time.gmtime())}
+    record = {
+        **result,
+        "file": path.name,
+        "tested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     try:
         files.write_atomic(path, (json.dumps(record, indent=1) + "\n").encode())
     except OSError:
@@ -119,24 +142,37 @@ P2PRunner = Callable[[int, float], RunResult]
 
 
 def p2p_probe_command(world: int, rank_timeout_s: float) -> List[str]:
-    code = ("import sys; from pcie_allreduce.tools.doctor.p2p import p2p_probe_main; "
-            "raise SystemExit(p2p_probe_main(int(sys.argv[1]), float(sys.argv[2])))")
+    code = (
+        "import sys; from pcie_allreduce.tools.doctor.p2p import p2p_probe_main; "
+        "raise SystemExit(p2p_probe_main(int(sys.argv[1]), float(sys.argv[2])))"
+    )
     return [sys.executable, "-c", code, str(world), str(rank_timeout_s)]
 
 
-def check_p2p(system: System, inv: Inventory, *, skip: bool,
-              runner: Optional[P2PRunner] = None,
-              timeout_s: float = P2P_TIMEOUT_S) -> Dict[str, Any]:
+def check_p2p(
+    system: System,
+    inv: Inventory,
+    *,
+    skip: bool,
+    runner: Optional[P2PRunner] = None,
+    timeout_s: float = P2P_TIMEOUT_S,
+) -> Dict[str, Any]:
     """Recorded result (fixtures), else the cache, else a test in a subprocess (unless skip)."""
     world = min(inv.count, MAX_WORLD)
     if world < 2:
         return {"status": "not_applicable", "detail": "fewer than 2 GPUs"}
     if inv.topology is not None and inv.topology.has_nvlink():
-        return {"status": "skipped", "detail": "NVLink host: the backend declines before "
-                "any peer write, so there is nothing to test"}
+        return {
+            "status": "skipped",
+            "detail": "NVLink host: the backend declines before "
+            "any peer write, so there is nothing to test",
+        }
     if inv.topology_error is not None:
-        return {"status": "skipped", "detail": "`nvidia-smi topo -m` does not parse, so no "
-                "communicator can be constructed to test with"}
+        return {
+            "status": "skipped",
+            "detail": "`nvidia-smi topo -m` does not parse, so no "
+            "communicator can be constructed to test with",
+        }
     recorded = system.recorded_p2p()
     if recorded is not None:
         return {**_recorded_p2p(recorded, world), "source": "recorded"}
@@ -149,8 +185,10 @@ def check_p2p(system: System, inv: Inventory, *, skip: bool,
     if skip:
         return {"status": "not_tested", "detail": "--no-p2p-test given and no cached result"}
     if runner is None:
+
         def runner(w: int, t: float) -> RunResult:
             return system.run(p2p_probe_command(w, P2P_RANK_TIMEOUT_S), t, probe_env(system.env))
+
     result = interpret_p2p_run(world, runner(world, timeout_s), timeout_s)
     if result["status"] in ("ok", "failed"):
         write_p2p_cache(cache_file, result)
@@ -162,14 +200,20 @@ def _recorded_p2p(recorded: Dict[str, Any], world: int) -> Dict[str, Any]:
         return _p2p_error(str(recorded["error"]))
     failing = recorded.get("failing", [])
     ok_shape = isinstance(failing, list) and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and 0 <= x < world
-                                                    for x in p) and p[0] != p[1]
-        for p in failing)
+        isinstance(p, list)
+        and len(p) == 2
+        and all(isinstance(x, int) and 0 <= x < world for x in p)
+        and p[0] != p[1]
+        for p in failing
+    )
     if not ok_shape:
-        raise FixtureError(f"p2p.json: 'failing' must list [writer, reader] GPU pairs in "
-                           f"0..{world - 1}, got {failing!r}")
-    return p2p_outcome(world, failing, str(recorded.get("detail", "")),
-                       bool(recorded.get("truncated", False)))
+        raise FixtureError(
+            f"p2p.json: 'failing' must list [writer, reader] GPU pairs in "
+            f"0..{world - 1}, got {failing!r}"
+        )
+    return p2p_outcome(
+        world, failing, str(recorded.get("detail", "")), bool(recorded.get("truncated", False))
+    )
 
 
 def _p2p_rank(rank: int, world: int, init_file: str, timeout_s: float, queue: Any) -> None:
@@ -181,14 +225,24 @@ def _p2p_rank(rank: int, world: int, init_file: str, timeout_s: float, queue: An
 
     try:
         torch.cuda.set_device(rank)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
         from ... import communicator
 
         group = dist.group.WORLD
-        ar = communicator.PcieAllReduce(group, torch.device("cuda", rank), max_numel=4096,
-                                        cpu_group=group, timeout_s=timeout_s,
-                                        transport=policy.CUDA_IPC)
+        ar = communicator.PcieAllReduce(
+            group,
+            torch.device("cuda", rank),
+            max_numel=4096,
+            cpu_group=group,
+            timeout_s=timeout_s,
+            transport=policy.CUDA_IPC,
+        )
         if rank == 0:
             queue.put({"enabled": ar.enabled, "reason": ar.disabled_reason})
         ar.destroy()
@@ -206,8 +260,10 @@ def p2p_probe_main(world: int, rank_timeout_s: float = P2P_RANK_TIMEOUT_S) -> in
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="pcie_ar_doctor.") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_p2p_rank, args=(r, world, init_file, rank_timeout_s, queue))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_p2p_rank, args=(r, world, init_file, rank_timeout_s, queue))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + rank_timeout_s * 2
@@ -226,8 +282,7 @@ def p2p_probe_main(world: int, rank_timeout_s: float = P2P_RANK_TIMEOUT_S) -> in
         errors.insert(0, f"ranks {stuck} did not finish within {rank_timeout_s * 2:g} s")
     crashed = [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r not in stuck]
     if crashed and not errors:
-        errors.append(f"ranks {crashed} exited with codes "
-                      f"{[procs[r].exitcode for r in crashed]}")
+        errors.append(f"ranks {crashed} exited with codes {[procs[r].exitcode for r in crashed]}")
     result = {"error": "; ".join(errors)} if errors or not results else results[0]
     print(P2P_RESULT_TAG + json.dumps(result), flush=True)
     return 0 if not errors else 1

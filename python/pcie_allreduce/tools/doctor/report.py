@@ -61,9 +61,11 @@ def _print_iommu(iommu: Dict[str, Any]) -> None:
     flags = " ".join(iommu["cmdline_flags"]) or "(no IOMMU flags)"
     print(f"  kernel command line: {flags if iommu['cmdline_read'] else 'unreadable'}")
     groups = iommu["groups"]
-    print(f"  IOMMU groups: {'none listed' if groups is None else groups}"
-          + (f" {iommu['group_types']}" if set(iommu["group_types"]) - {"unknown"} else "")
-          + f"; mode: {iommu['mode']}")
+    print(
+        f"  IOMMU groups: {'none listed' if groups is None else groups}"
+        + (f" {iommu['group_types']}" if set(iommu["group_types"]) - {"unknown"} else "")
+        + f"; mode: {iommu['mode']}"
+    )
     for hint in iommu["hints"]:
         print(f"  hint: {hint}")
 
@@ -79,11 +81,15 @@ def _print_table(table: Dict[str, Any]) -> None:
     print(f"  cache folder: {table['cache_dir']}")
     cache = table.get("gpu_cache")
     if cache is not None:
-        print(f"  GPU cache {cache['fingerprint']}: {cache['status']}"
-              + (f" ({cache['problem']})" if cache.get("problem") else ""))
+        print(
+            f"  GPU cache {cache['fingerprint']}: {cache['status']}"
+            + (f" ({cache['problem']})" if cache.get("problem") else "")
+        )
     for c in table["host_caches"]:
-        print(f"  host cache {Path(c['path']).name}: {c['status']}"
-              + (f" ({c['problem']})" if c.get("problem") else ""))
+        print(
+            f"  host cache {Path(c['path']).name}: {c['status']}"
+            + (f" ({c['problem']})" if c.get("problem") else "")
+        )
     print(f"  in use: {table['in_use']}")
 
 

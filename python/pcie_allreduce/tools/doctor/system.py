@@ -20,8 +20,12 @@ from ...topology import host_devices, run_nvidia_smi
 
 # The test subprocesses choose their own transport (the P2P test passes transport="cuda_ipc");
 # a bad PCIE_ALLREDUCE_TRANSPORT is reported by the doctor itself, not as a crashed test.
-_PROBE_ENV_DROP = ("CUDA_VISIBLE_DEVICES", "PCIE_ALLREDUCE_ENABLE", "PCIE_ALLREDUCE_TABLE",
-                   "PCIE_ALLREDUCE_TRANSPORT")
+_PROBE_ENV_DROP = (
+    "CUDA_VISIBLE_DEVICES",
+    "PCIE_ALLREDUCE_ENABLE",
+    "PCIE_ALLREDUCE_TABLE",
+    "PCIE_ALLREDUCE_TRANSPORT",
+)
 
 
 class FixtureError(ValueError):
@@ -156,8 +160,12 @@ class LiveSystem(System):
 def run_bounded(argv: Sequence[str], timeout_s: float, env: Mapping[str, str]) -> RunResult:
     """Runs argv in its own session; on timeout kills that session (the ranks it spawned too)."""
     proc = subprocess.Popen(
-        list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(env), start_new_session=True,
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(env),
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -174,8 +182,17 @@ def run_bounded(argv: Sequence[str], timeout_s: float, env: Mapping[str, str]) -
 class FixtureSystem(System):
     """A recorded host: files in a directory stand in for nvidia-smi, sysfs and /proc."""
 
-    KNOWN = ("nvidia_smi_topo.txt", "query_gpu.csv", "cmdline", "iommu_groups", "numa_nodes",
-             "p2p.json", "host_transport.json", "env", "host_devices")
+    KNOWN = (
+        "nvidia_smi_topo.txt",
+        "query_gpu.csv",
+        "cmdline",
+        "iommu_groups",
+        "numa_nodes",
+        "p2p.json",
+        "host_transport.json",
+        "env",
+        "host_devices",
+    )
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -229,8 +246,9 @@ class FixtureSystem(System):
                 continue
             node = _int_or_none(words[-1]) if len(words) == 2 else None
             if node is None:
-                raise FixtureError(f"fixture file numa_nodes: expected '<bus id> <node>', "
-                                   f"got {line!r}")
+                raise FixtureError(
+                    f"fixture file numa_nodes: expected '<bus id> <node>', got {line!r}"
+                )
             nodes[sysfs_bus_id(words[0])] = node
         return nodes
 
@@ -251,8 +269,9 @@ class FixtureSystem(System):
         text = self._text("iommu_groups")
         if text is None:
             return None
-        lines = [ln.split() for ln in text.splitlines()
-                 if ln.strip() and not ln.lstrip().startswith("#")]
+        lines = [
+            ln.split() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")
+        ]
         if len(lines) == 1 and len(lines[0]) == 1 and lines[0][0].isdigit():
             return [""] * int(lines[0][0])  # a bare count
         return [words[1] if len(words) > 1 else "" for words in lines]

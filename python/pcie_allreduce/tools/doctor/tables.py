@@ -70,14 +70,21 @@ def fingerprint_links(inv: Inventory) -> str:
     return inv.topology.subset(list(range(inv.count))).fingerprint()
 
 
-def gpu_cache_report(system: System, inv: Inventory,
-                     transport: str = policy.CUDA_IPC) -> Dict[str, Any]:
+def gpu_cache_report(
+    system: System, inv: Inventory, transport: str = policy.CUDA_IPC
+) -> Dict[str, Any]:
     """This host's cache file for ``transport`` (cuda_ipc or cuda_host), as the communicator's
     rank 0 reads it."""
     key = policy.table_key(transport, inv.table_key)
-    fields = policy.fingerprint_fields(transport, inv.count, key, inv.island_of,
-                                       [g["name"] for g in inv.gpus], fingerprint_driver(inv),
-                                       links=fingerprint_links(inv))
+    fields = policy.fingerprint_fields(
+        transport,
+        inv.count,
+        key,
+        inv.island_of,
+        [g["name"] for g in inv.gpus],
+        fingerprint_driver(inv),
+        links=fingerprint_links(inv),
+    )
     fp = policy.fingerprint(fields)
     path = cache.cache_path(fp, system.cache_dir())
     return {"fingerprint": fp, **_cache_status(cache.read_cache(path, fp))}
@@ -95,20 +102,22 @@ def host_cache_reports(system: System) -> List[Dict[str, Any]]:
         world = int(match.group(1))
         fields = policy.fingerprint_fields(host, world, policy.table_key(host), [], devices, "")
         fp = policy.fingerprint(fields)
-        out.append({"world": world, "fingerprint": fp,
-                    **_cache_status(cache.read_cache(path, fp))})
+        out.append({"world": world, "fingerprint": fp, **_cache_status(cache.read_cache(path, fp))})
     return out
 
 
-def table_report(system: System, inv: Optional[Inventory],
-                 transport: str = policy.CUDA_IPC) -> Dict[str, Any]:
+def table_report(
+    system: System, inv: Optional[Inventory], transport: str = policy.CUDA_IPC
+) -> Dict[str, Any]:
     """Which table a communicator would use: PCIE_ALLREDUCE_TABLE, this host's cache (for the
     GPUs: the cache of ``transport``, the one the communicator would run), or the embedded seed
     table."""
     seed = _C.TuningTable.parse(_C.TuningTable.embedded_text(), "embedded")
-    report: Dict[str, Any] = {"cache_dir": str(system.cache_dir()),
-                              "env_table": _env_table(system),
-                              "embedded_rows": len(seed)}
+    report: Dict[str, Any] = {
+        "cache_dir": str(system.cache_dir()),
+        "env_table": _env_table(system),
+        "embedded_rows": len(seed),
+    }
     if inv is not None and inv.count >= 2:
         report["gpu_cache"] = gpu_cache_report(system, inv, transport)
     report["host_caches"] = host_cache_reports(system)
@@ -117,7 +126,8 @@ def table_report(system: System, inv: Optional[Inventory],
     valid_host = [c["path"] for c in report["host_caches"] if c["status"] == "valid"]
     if env_table is not None:
         report["in_use"] = f"PCIE_ALLREDUCE_TABLE {env_table['path']}" + (
-            "" if env_table["ok"] else " (broken: communicators raise at construction)")
+            "" if env_table["ok"] else " (broken: communicators raise at construction)"
+        )
     elif gpu_cache is not None and gpu_cache["status"] == "valid":
         report["in_use"] = f"this host's tuning cache {gpu_cache['path']}"
     elif inv is None and valid_host:
