@@ -11,7 +11,7 @@ lists (csrc/plan/cost_model.h).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List
+from typing import Any
 
 from pcie_allreduce.native import _C
 from pcie_allreduce.tuning import model
@@ -34,7 +34,7 @@ EXECUTORS = (
 )
 
 
-def label(t: Dict[str, Any]) -> str:
+def label(t: dict[str, Any]) -> str:
     return (
         f"{t['algorithm']}/{t['direction']}/{'staged' if t['staged'] else 'unstaged'}/"
         f"{t['protocol']}"
@@ -62,7 +62,7 @@ def main() -> None:
     print(f"constants: {_C.latency_model()}")
     for name, island_of, transport in TARGETS:
         print(f"\n### {name}, {args.bytes} bytes")
-        ranked: Dict[str, List[Dict[str, Any]]] = {
+        ranked: dict[str, list[dict[str, Any]]] = {
             ex: model.rank_tactics(len(island_of), island_of, transport, args.bytes, executor=over)
             for ex, over in EXECUTORS
         }

@@ -30,7 +30,8 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 # DeepSpeed picks its accelerator at import; on a CPU-only host it must be told.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -87,7 +88,7 @@ def _agree(ok: bool) -> bool:
     return bool(t.item())
 
 
-def _first_rank_then_rest(rank: int, build: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
+def _first_rank_then_rest(rank: int, build: Callable[[], Any]) -> tuple[Any, str | None]:
     """Rank 0 builds (JIT compile) first, the others load the cached build; every rank learns
     whether every rank succeeded."""
     result, why = None, None
@@ -112,7 +113,7 @@ def _first_rank_then_rest(rank: int, build: Callable[[], Any]) -> Tuple[Any, Opt
 
 def _load_deepspeed(
     rank: int, world: int, port: int, dtype: torch.dtype
-) -> Tuple[Optional[Callable], Optional[str]]:
+) -> tuple[Callable | None, str | None]:
     def build() -> Any:
         from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
@@ -179,7 +180,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = [s for s in args.size_list if s % elem == 0]
     max_numel = (max(sizes) // elem + 7) // 8 * 8
-    skipped: Dict[str, str] = {name: "--skip" for name in args.skip}
+    skipped: dict[str, str] = {name: "--skip" for name in args.skip}
 
     ar = PcieAllReduce(None, "cpu", max_numel=max_numel)
     ds_op = None
@@ -195,7 +196,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
             skipped["floor"] = link.why
     names = [n for n in NAMES if n not in skipped]
 
-    def calls(t: torch.Tensor) -> Dict[str, Callable[[], Any]]:
+    def calls(t: torch.Tensor) -> dict[str, Callable[[], Any]]:
         """Each candidate's call on t (the timed form)."""
         every = {
             "ours_": lambda: ar.all_reduce_(t),
@@ -217,7 +218,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
             calls(y)[name]()
         return y
 
-    report: Dict[str, Any] = {
+    report: dict[str, Any] = {
         "sizes": sizes,
         "names": names,
         "skipped": skipped,
@@ -243,13 +244,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
             f"fallback ({declined})" if declined is not None else ar.chosen_tactic(z)
         )
         fns = calls(z)
-        iters: Dict[str, int] = {}
+        iters: dict[str, int] = {}
         for name, fn in fns.items():  # warm up, then size the count to the time budget
             dist.barrier()
             _timed(fn, 5)
             per_call = _slowest(_timed(fn, MIN_ITERS))
             iters[name] = max(MIN_ITERS, min(MAX_ITERS, int(args.budget / max(per_call, 1e-9))))
-        times: Dict[str, List[float]] = {name: [] for name in fns}
+        times: dict[str, list[float]] = {name: [] for name in fns}
         for round_ in range(args.rounds):
             k = round_ % len(names)
             for name in names[k:] + names[:k]:
@@ -310,7 +311,7 @@ def _loadavg() -> str:
         return "?"
 
 
-def _run_one(world: int, dtype_name: str, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+def _run_one(world: int, dtype_name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     args.dtype_name = dtype_name
     args.load_before = _loadavg()
     ctx = mp.get_context("spawn")
@@ -350,7 +351,7 @@ def _run_one(world: int, dtype_name: str, args: argparse.Namespace) -> Optional[
 
 
 def _print_table(
-    world: int, dtype_name: str, report: Dict[str, Any], args: argparse.Namespace, wall_s: float
+    world: int, dtype_name: str, report: dict[str, Any], args: argparse.Namespace, wall_s: float
 ) -> None:
     names = report["names"]
     others = [n for n in names if n != BASE]

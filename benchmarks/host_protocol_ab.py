@@ -20,7 +20,6 @@ import socket
 import statistics
 import sys
 import time
-from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -72,7 +71,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         )
         for name, row in candidates.items()
     }
-    results: Dict[int, Dict[str, float]] = {}
+    results: dict[int, dict[str, float]] = {}
     for size in sizes:
         x = rank_input(rank, size // elem, dtype)
         for name, ar in comms.items():  # verify, warm up
@@ -80,7 +79,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
             assert count_wrong(out, world, x.numel(), args.dtype) == 0, name
             for _ in range(20):
                 ar.all_reduce(x)
-        times: Dict[str, List[float]] = {name: [] for name in comms}
+        times: dict[str, list[float]] = {name: [] for name in comms}
         names = list(comms)
         for round_ in range(args.rounds):
             order = names[round_ % len(names) :] + names[: round_ % len(names)]

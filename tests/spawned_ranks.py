@@ -10,7 +10,8 @@ import pickle
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
@@ -21,10 +22,10 @@ def spawn_ranks(
     world: int,
     fn: Callable[..., Any],
     args: tuple,
-    env: Dict[str, Any],
+    env: dict[str, Any],
     timeout: float,
-    started: Optional[Callable[[int], None]] = None,
-) -> List[Any]:
+    started: Callable[[int], None] | None = None,
+) -> list[Any]:
     """Runs the ranks; fails the test if any hangs past ``timeout`` (they are killed). Returns
     each rank's pickled result, or its exit code (an int) when it died without one.
     ``started(pid)`` is called for every process started."""
@@ -50,7 +51,7 @@ def spawn_ranks(
             procs[r].join()
         if hung:
             pytest.fail(f"ranks {hung} hung past {timeout} s")
-        results: List[Any] = []
+        results: list[Any] = []
         for r in range(world):
             path = os.path.join(tmp, f"rank{r}.pkl")
             if not os.path.exists(path):
@@ -61,7 +62,7 @@ def spawn_ranks(
     return results
 
 
-def fail_on_errors(results: List[Dict[str, Any]]) -> None:
+def fail_on_errors(results: list[dict[str, Any]]) -> None:
     """Fails the test naming the first rank whose function raised."""
     for r, res in enumerate(results):
         if not res["ok"]:
@@ -72,13 +73,13 @@ def report(
     rank: int,
     out_dir: str,
     body: Callable[[], Any],
-    on_error: Callable[[BaseException], Dict[str, Any]] = lambda e: {},
-    always: Callable[[], Dict[str, Any]] = dict,
-) -> Dict[str, Any]:
+    on_error: Callable[[BaseException], dict[str, Any]] = lambda e: {},
+    always: Callable[[], dict[str, Any]] = dict,
+) -> dict[str, Any]:
     """In a rank: runs ``body()`` and pickles what spawn_ranks reads back, ``{"ok": True,
     "value"}`` or ``{"ok": False, "error", "type", "traceback", **on_error(e)}``, each with
     ``always()`` added. Returns that dict."""
-    result: Dict[str, Any]
+    result: dict[str, Any]
     try:
         result = {"ok": True, "value": body()}
     except BaseException as e:  # report everything, SystemExit from a test body included
@@ -95,7 +96,7 @@ def report(
     return result
 
 
-def leave_group(result: Dict[str, Any]) -> None:
+def leave_group(result: dict[str, Any]) -> None:
     """In a rank whose body succeeded: destroys the default process group (best effort; after
     a failure a peer may be gone and the collective teardown would hang)."""
     try:
@@ -112,10 +113,10 @@ class LogRecords(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.records: List[tuple] = []
+        self.records: list[tuple] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append((record.levelname, record.getMessage()))
 
-    def matching(self, text: str) -> List[str]:
+    def matching(self, text: str) -> list[str]:
         return [m for _, m in self.records if text in m]

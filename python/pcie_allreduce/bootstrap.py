@@ -20,7 +20,8 @@ import atexit
 import json
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ _TAGS = {"length": 0x50410, "data": 0x50411, "leave": 0x50412}
 
 # Sends nobody waits for (to or from a failed rank): alive for the life of the process, so
 # gloo can still deliver them and the pair's later messages are not blocked.
-_never_taken: List[Any] = []
+_never_taken: list[Any] = []
 
 
 class _Aborted(Exception):
@@ -50,8 +51,8 @@ class _Waits:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._current: Dict[int, Any] = {}  # thread ident -> the work it waits for
-        self._threads: List[threading.Thread] = []
+        self._current: dict[int, Any] = {}  # thread ident -> the work it waits for
+        self._threads: list[threading.Thread] = []
         self._closing = False
 
     def start(self, thread: threading.Thread) -> None:
@@ -108,7 +109,7 @@ class Bootstrap:
         self.timeout_s = timeout_s
         self._peers = [p for p in range(self.world) if p != self.rank]
 
-    def gather_bytes(self, data: bytes, step: str) -> List[bytes]:
+    def gather_bytes(self, data: bytes, step: str) -> list[bytes]:
         """Every rank's ``data``, in rank order; raises naming the ranks that did not arrive."""
         deadline = self._deadline()
         lengths = {p: torch.zeros(1, dtype=torch.int64) for p in self._peers}
@@ -123,7 +124,7 @@ class Bootstrap:
             )
         return [data if p == self.rank else bytes(bufs[p].tolist()) for p in range(self.world)]
 
-    def gather(self, obj: Any, step: str) -> List[Any]:
+    def gather(self, obj: Any, step: str) -> list[Any]:
         """Every rank's JSON-serialisable ``obj``, in rank order."""
         raw = self.gather_bytes(json.dumps(obj, sort_keys=True).encode(), step)
         return [json.loads(r.decode()) for r in raw]
@@ -160,18 +161,18 @@ class Bootstrap:
             takes_ours=lambda p: int(bufs[p][1]) == 0,
         )
 
-    def _deadline(self) -> Optional[float]:
+    def _deadline(self) -> float | None:
         return None if self.timeout_s == 0 else time.monotonic() + self.timeout_s
 
     def _exchange(
         self,
-        payload: Optional[torch.Tensor],
-        into: Dict[int, torch.Tensor],
+        payload: torch.Tensor | None,
+        into: dict[int, torch.Tensor],
         kind: str,
-        deadline: Optional[float],
+        deadline: float | None,
         step: str,
-        until: Optional[Callable[[torch.Tensor], bool]] = None,
-        takes_ours: Optional[Callable[[int], bool]] = None,
+        until: Callable[[torch.Tensor], bool] | None = None,
+        takes_ours: Callable[[int], bool] | None = None,
     ) -> None:
         """Sends ``payload`` to every peer and receives each ``into[peer]`` (repeated until
         ``until(buffer)`` holds), until all are done or the deadline passed; then waits for
@@ -182,7 +183,7 @@ class Bootstrap:
         taken blocks that pair's later messages. So each peer's waits run without a timeout on
         a daemon thread of their own while this thread keeps the deadline, and a send nobody
         will take is kept alive for the life of the process (a few bytes per failure)."""
-        sends: Dict[int, Any] = {}
+        sends: dict[int, Any] = {}
         if payload is not None:
             for p in self._peers:
                 try:
@@ -208,15 +209,15 @@ class Bootstrap:
         return dist.get_global_rank(self.group, peer)
 
     def _await(
-        self, peers: List[int], run: Callable[[int], None], deadline: Optional[float], step: str
+        self, peers: list[int], run: Callable[[int], None], deadline: float | None, step: str
     ) -> None:
-        done: Dict[int, Optional[BaseException]] = {}
+        done: dict[int, BaseException | None] = {}
         changed = threading.Condition()
 
         def guarded(peer: int) -> None:
             try:
                 run(peer)
-                outcome: Optional[BaseException] = None
+                outcome: BaseException | None = None
             except BaseException as error:  # reported by the waiting thread
                 outcome = error
             with changed:
@@ -239,12 +240,12 @@ class Bootstrap:
                 changed.wait(left)
         self._raise_failed(done, step)
 
-    def _raise_failed(self, done: Dict[int, Optional[BaseException]], step: str) -> None:
+    def _raise_failed(self, done: dict[int, BaseException | None], step: str) -> None:
         failed = sorted(p for p, error in list(done.items()) if error is not None)
         if failed:
             raise self._error(failed, step, f"the connection failed ({done[failed[0]]})")
 
-    def _error(self, missing: List[int], step: str, why: str) -> PcieAllReduceTimeout:
+    def _error(self, missing: list[int], step: str, why: str) -> PcieAllReduceTimeout:
         who = "rank" + "s" * (len(missing) > 1) + " " + ", ".join(str(r) for r in missing)
         phase = "destroy()" if step == "destroy" else "construction"
         message = (

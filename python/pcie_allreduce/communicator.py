@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,20 +51,20 @@ class PcieAllReduce:
     def __init__(
         self,
         group: Any = None,
-        device: Union[str, torch.device, int] = "cpu",
+        device: str | torch.device | int = "cpu",
         *,
-        max_numel: Optional[int] = None,
-        table: Optional[str] = None,
+        max_numel: int | None = None,
+        table: str | None = None,
         cpu_group: Any = None,
-        hidden: Optional[int] = None,
-        max_rows: Optional[int] = None,
+        hidden: int | None = None,
+        max_rows: int | None = None,
         dtypes: Sequence[str] = ("bf16", "fp16", "fp32"),
-        timeout_s: Optional[float] = None,
-        topology: Optional[Any] = None,
-        islands: Optional[Sequence[Sequence[int]]] = None,
+        timeout_s: float | None = None,
+        topology: Any | None = None,
+        islands: Sequence[Sequence[int]] | None = None,
         initial_generation: int = 0,
         enabled: bool = True,
-        transport: Optional[str] = None,
+        transport: str | None = None,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -115,7 +116,7 @@ class PcieAllReduce:
         return bool(self._comm.enabled())
 
     @property
-    def disabled_reason(self) -> Optional[str]:
+    def disabled_reason(self) -> str | None:
         reason = self._comm.disabled_reason()
         if reason is None:
             return None
@@ -135,11 +136,11 @@ class PcieAllReduce:
         """The tuning table deciding calls now (its text and ``stats()["table_source"]``)."""
         return self._table
 
-    def decline_reason(self, t: torch.Tensor) -> Optional[str]:
+    def decline_reason(self, t: torch.Tensor) -> str | None:
         """None when the kernels would run ``t``; else the reason code (see stats())."""
         return self._comm.decline_reason(t)
 
-    def supports(self, t: torch.Tensor) -> Optional[str]:
+    def supports(self, t: torch.Tensor) -> str | None:
         """None when the kernels *can* run ``t`` (whatever the table prefers)."""
         return self._comm.supports(t)
 
@@ -149,7 +150,7 @@ class PcieAllReduce:
     def chosen_tactic(self, t: torch.Tensor) -> str:
         return str(self._comm.chosen_tactic(t))
 
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         s = dict(self._comm.stats())
         s["table_source"] = self._table.source
         s["transport"] = self._config.transport
@@ -163,13 +164,11 @@ class PcieAllReduce:
             s["host_reduce"] = _C.host_reduce_isa()
         return s
 
-    def failure(self) -> Optional[Dict[str, Any]]:
+    def failure(self) -> dict[str, Any] | None:
         return self._comm.failure()
 
     # ------------------------------------------------------------------ before capture
-    def prepare(
-        self, hidden: Optional[int] = None, max_rows: Optional[int] = None
-    ) -> Dict[str, Any]:
+    def prepare(self, hidden: int | None = None, max_rows: int | None = None) -> dict[str, Any]:
         """Gets ready for graph capture: installs every program the table can pick for an
         admitted message, so nothing is installed inside a capture. With ``hidden`` and
         ``max_rows`` (decode batch x draft tokens), says once if the workspace (fixed at
@@ -210,12 +209,12 @@ class PcieAllReduce:
     def tune(
         self,
         *,
-        dtypes: Optional[Sequence[str]] = None,
-        max_bytes: Optional[int] = None,
+        dtypes: Sequence[str] | None = None,
+        max_bytes: int | None = None,
         budget_s: float = 120.0,
         force: bool = False,
-        progress: Optional[bool] = None,
-    ) -> Dict[str, Any]:
+        progress: bool | None = None,
+    ) -> dict[str, Any]:
         """Measures every runnable tactic and the fallback on this host and writes the cache
         (collective). Without ``force`` a valid cache is loaded instead and nothing is
         measured. See :func:`pcie_allreduce.tuning.tuner.tune` for the report."""
@@ -232,7 +231,7 @@ class PcieAllReduce:
             progress=progress,
         )
 
-    def gather(self, obj: Any, step: str) -> List[Any]:
+    def gather(self, obj: Any, step: str) -> list[Any]:
         """Every rank's JSON-serialisable ``obj``, in rank order (collective, bounded by the
         timeout: a rank that does not arrive is named in a PcieAllReduceTimeout)."""
         return self._boot.gather(obj, step)
@@ -255,14 +254,14 @@ class PcieAllReduce:
         return hashes[0]
 
     @contextlib.contextmanager
-    def trial(self) -> Iterator[Callable[[Optional[str]], None]]:
+    def trial(self) -> Iterator[Callable[[str | None], None]]:
         """For a tuner: yields ``use(text)``, which lets table ``text`` decide the next calls
         without installing it (``use(None)``: the table in use again). Calls inside are left
         out of stats(); on exit the table in use decides again."""
         counts = self._comm.stats()
         keys = ("calls", "declines", "bytes_sent_per_peer", "staged")
 
-        def use(text: Optional[str]) -> None:
+        def use(text: str | None) -> None:
             if text is None:
                 self._comm.set_table(self._table.text, self._table.source)
             else:
@@ -275,7 +274,7 @@ class PcieAllReduce:
             self._comm.restore_stats(*(counts[k] for k in keys))
 
     # ------------------------------------------------------------------ the call
-    def all_reduce(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of ``t`` over the group: kernels when admitted, the fallback otherwise.
 
         Raises PcieAllReduceTimeout (with the diagnostic) when a peer never arrived or
@@ -294,7 +293,7 @@ class PcieAllReduce:
     # ------------------------------------------------------------------ the fused call
     def fused_decline_reason(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
-    ) -> Optional[str]:
+    ) -> str | None:
         """None when the fused kernels would run ``all_reduce_add_rms_norm(x, residual,
         weight)``; else the reason code (``stats()["fused_declines"]``). A declined call still
         returns the same result, through the unfused path."""
@@ -312,9 +311,9 @@ class PcieAllReduce:
         weight: torch.Tensor,
         eps: float,
         *,
-        out: Optional[torch.Tensor] = None,
-        residual_out: Optional[torch.Tensor] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        out: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The end of a decoder layer, fused: ``residual_out = sum_ranks(x) + residual`` and
         ``y = rms_norm(residual_out) * weight``; returns ``(y, residual_out)``.
 
@@ -359,7 +358,7 @@ class PcieAllReduce:
             )
         return collective
 
-    def collective_decline_reason(self, x: torch.Tensor, collective: str) -> Optional[str]:
+    def collective_decline_reason(self, x: torch.Tensor, collective: str) -> str | None:
         """None when the kernels would run ``collective`` (``"all_reduce"``,
         ``"reduce_scatter"`` or ``"all_gather"``) with input ``x``; else the reason code
         (``stats()["collectives"][collective]["declines"]``). Depends only on what every rank
@@ -373,7 +372,7 @@ class PcieAllReduce:
         """The tactic label that runs ``collective`` with input ``x``, or ``"fallback"``."""
         return self._comm.chosen_collective_tactic(self._collective(collective), x)
 
-    def reduce_scatter(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """torch's ``reduce_scatter_tensor`` along dim 0, summing: ``x`` is ``[world * m, ...]``
         and the result ``[m, ...]`` is rows ``[rank * m, (rank + 1) * m)`` of the sum over ranks,
         formed as ``all_reduce`` forms it (fp32, rank order, rounded once). ``out`` (disjoint
@@ -384,7 +383,7 @@ class PcieAllReduce:
         self._op_reduce_scatter_into(x, self.handle, out)
         return out
 
-    def all_gather(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """torch's ``all_gather_into_tensor`` along dim 0: ``x`` is ``[m, ...]`` and the result
         ``[world * m, ...]`` holds rank q's ``x`` at rows ``[q * m, (q + 1) * m)``, bit for bit.
         ``out`` (disjoint from ``x``) receives it when given. A call the kernels decline runs
@@ -431,7 +430,7 @@ class PcieAllReduce:
         finally:
             self._comm.release()
 
-    def __enter__(self) -> "PcieAllReduce":
+    def __enter__(self) -> PcieAllReduce:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from .tuning import cache
 
 logger = logging.getLogger("pcie_allreduce")
 
-Off = Tuple[str, str]  # (decline reason, detail); ("none", "") while the backend may run
+Off = tuple[str, str]  # (decline reason, detail); ("none", "") while the backend may run
 ON: Off = ("none", "")
 
 
@@ -50,8 +51,8 @@ class Config:
     transport: str  # canonical: host_shm, cuda_ipc or cuda_host
     mode: str  # what was asked: host_shm (CPU tensors), auto, cuda_ipc or cuda_host
     topology_key: str  # the key table rows and the tuning cache are matched on
-    island_of: Tuple[int, ...]  # rank -> island; () for one island
-    dtypes: Tuple[str, ...]  # the admitted dtypes
+    island_of: tuple[int, ...]  # rank -> island; () for one island
+    dtypes: tuple[str, ...]  # the admitted dtypes
     max_blocks: int  # the most CTAs (host: slices) a tactic may use on this transport
     fingerprint: str  # names this host's tuning cache file for the group
     fingerprint_fields: Mapping[str, Any] = field(default_factory=dict)
@@ -131,7 +132,7 @@ class Local:
     off: Off
 
 
-def device_of(device: Union[str, torch.device, int]) -> torch.device:
+def device_of(device: str | torch.device | int) -> torch.device:
     """``cpu``, or a CUDA device with its index (an int is a CUDA index; ``cuda`` is the
     current device)."""
     out = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -147,12 +148,12 @@ def decide_locally(
     max_numel: Any,
     hidden: Any,
     max_rows: Any,
-    table: Optional[str],
+    table: str | None,
     dtypes: Sequence[str],
     timeout_s: Any,
     initial_generation: int,
     enabled: bool,
-    transport: Optional[str],
+    transport: str | None,
 ) -> Local:
     """Step 1: the arguments checked (``policy``), the table file read and parsed, the CPU
     reduce kernels chosen, the extension's Options filled; everything raises before any
@@ -203,7 +204,7 @@ def build(
     local: Local,
     *,
     topology: Any,
-    islands: Optional[Sequence[Sequence[int]]],
+    islands: Sequence[Sequence[int]] | None,
 ) -> Built:
     """Steps 2 to 5 (collective). Making a gloo group when none is given is torch's own
     collective and unbounded; every exchange after it is bounded by the timeout."""
@@ -229,14 +230,14 @@ class Builder:
         self.detail = choice.detail()
         self.transport = choice.name
         self.probed, self.key = "flat", policy.HOST_SHM
-        self.island_of: List[int] = []
-        self.devices: List[str] = []
+        self.island_of: list[int] = []
+        self.devices: list[str] = []
         self.driver = self.links = ""
-        self.fields: Dict[str, Any] = {}
+        self.fields: dict[str, Any] = {}
         self.fingerprint = ""
         self.id = 0
 
-    def run(self, off: Off, topology: Any, islands: Optional[Sequence[Sequence[int]]]) -> Built:
+    def run(self, off: Off, topology: Any, islands: Sequence[Sequence[int]] | None) -> Built:
         off = self.meet(off)
         off = self.probe(topology, islands, off)
         self.set_transport(self.transport)
@@ -294,7 +295,7 @@ class Builder:
             )
         return off
 
-    def probe(self, topology: Any, islands: Optional[Sequence[Sequence[int]]], off: Off) -> Off:
+    def probe(self, topology: Any, islands: Sequence[Sequence[int]] | None, off: Off) -> Off:
         """Table key and islands (collective on CUDA: every rank names its GPU); NVLink hosts
         turn the backend off."""
         self.island_of = island_map(self.world, islands)
@@ -335,13 +336,13 @@ class Builder:
         }
         if self.rank == 0 and not self.table_given:
             mine["cache"] = self.read_cache()
-        everyone: List[Dict[str, Any]] = self.boot.gather(mine, "handshake")
+        everyone: list[dict[str, Any]] = self.boot.gather(mine, "handshake")
         found = everyone[0].pop("cache", None)
         if found is not None and all(e["table_hash"] == "cache or seed" for e in everyone):
             opts.table_text, opts.table_source = found["text"], found["source"]
         return off if off != ON else _disagreement(everyone)
 
-    def read_cache(self) -> Optional[Dict[str, str]]:
+    def read_cache(self) -> dict[str, str] | None:
         """Rank 0's reading of this host's tuning cache: the table, or None (a file that
         exists but cannot be used is reported and ignored; the next tune replaces it)."""
         found = cache.read_cache(cache.cache_path(self.fingerprint), self.fingerprint)
@@ -362,7 +363,7 @@ class Builder:
         self.boot.barrier("connected")
         comm.retire_token()
 
-    def connect_gpus(self, comm: Any) -> Optional[str]:
+    def connect_gpus(self, comm: Any) -> str | None:
         """Every rank maps every peer's workspace and writes into it. None when every pair
         works; else why not, the same text on every rank."""
         tokens = self.boot.gather_bytes(comm.local_token(), "connect")
@@ -371,7 +372,7 @@ class Builder:
             mine = None
         except (RuntimeError, ValueError) as error:
             mine = str(error)
-        errors: List[Optional[str]] = self.boot.gather(mine, "connected")
+        errors: list[str | None] = self.boot.gather(mine, "connected")
         comm.retire_token()
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
@@ -383,7 +384,7 @@ class Builder:
             return f"peer writes or reads did not arrive intact ({pairs})"
         return None
 
-    def broken_pairs(self, comm: Any) -> List[Tuple[int, int]]:
+    def broken_pairs(self, comm: Any) -> list[tuple[int, int]]:
         """The write-and-verify (collective): every rank writes a pattern into every peer's
         workspace with the kernels' own stores and checks what arrived, then loads every peer's
         own pattern with the pull kernels' loads, because drivers report P2P that does not work
@@ -393,7 +394,7 @@ class Builder:
         nonce = self.boot.gather(nonce, "p2p check")[0]  # rank 0's
         comm.probe_write(nonce)
         self.boot.barrier("p2p written")
-        everyone: List[List[int]] = self.boot.gather(comm.probe_read(nonce), "p2p read")
+        everyone: list[list[int]] = self.boot.gather(comm.probe_read(nonce), "p2p read")
         return [(src, dst) for dst, sources in enumerate(everyone) for src in sources]
 
     def after_p2p_failure(self, comm: Any, why: str) -> Any:
@@ -437,7 +438,7 @@ class Builder:
         return comm
 
 
-def _disagreement(everyone: List[Dict[str, Any]]) -> Off:
+def _disagreement(everyone: list[dict[str, Any]]) -> Off:
     """ON when every rank may run the kernels with the same configuration."""
     for r, theirs in enumerate(everyone):
         if theirs["disabled"] != "none":

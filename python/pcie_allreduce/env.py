@@ -9,9 +9,10 @@ passed to it. :func:`snapshot` is the whole environment, for the subprocesses ``
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 from . import policy
 
@@ -26,11 +27,11 @@ class Env:
     # PCIE_ALLREDUCE_ENABLE: None when unset (direct library use on, engine integrations off),
     # False for 0 (the kernels off everywhere: communicators construct disabled), True for 1
     # (also lets the engine integrations install themselves).
-    enable: Optional[bool] = None
+    enable: bool | None = None
     # PCIE_ALLREDUCE_MAX_NUMEL: the workspace in elements, under policy.check_max_numel's rule.
-    max_numel: Optional[int] = None
+    max_numel: int | None = None
     # PCIE_ALLREDUCE_TABLE: a tuning-table CSV file that replaces the cache and the seed.
-    table: Optional[str] = None
+    table: str | None = None
     # PCIE_ALLREDUCE_TIMEOUT_S: every wait's deadline in seconds (0 waits forever).
     timeout_s: float = 30.0
     # PCIE_ALLREDUCE_LOG_LEVEL: 0 quiet, 1 one line per decline reason, 2 verbose.
@@ -39,7 +40,7 @@ class Env:
     disable_autotune: bool = False
     # PCIE_ALLREDUCE_HOST_REDUCE: the CPU reduce kernels (scalar, avx2, avx512); None: the
     # widest this CPU runs. Results are bit-identical whichever runs; only speed differs.
-    host_reduce: Optional[str] = None
+    host_reduce: str | None = None
     # PCIE_ALLREDUCE_TRANSPORT (CUDA tensors), canonical: "auto" uses cuda_ipc and moves to
     # cuda_host when the P2P check fails; "cuda_ipc" declines no_p2p instead; "cuda_host"
     # always uses shared pinned host memory (policy.CUDA_MODES lists the accepted spellings).
@@ -48,8 +49,8 @@ class Env:
     pdl: bool = True
     # PCIE_ALLREDUCE_CACHE_DIR (expanded), and XDG_CACHE_HOME beneath which the cache is kept
     # without it; see tuning_cache_dir().
-    cache_dir: Optional[Path] = None
-    xdg_cache_home: Optional[Path] = None
+    cache_dir: Path | None = None
+    xdg_cache_home: Path | None = None
 
     def tuning_cache_dir(self) -> Path:
         """``$PCIE_ALLREDUCE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pcie_allreduce``, else
@@ -59,7 +60,7 @@ class Env:
         return (self.xdg_cache_home or Path.home() / ".cache") / "pcie_allreduce"
 
 
-def _flag(env: Mapping[str, str], name: str, default: Optional[bool]) -> Optional[bool]:
+def _flag(env: Mapping[str, str], name: str, default: bool | None) -> bool | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -104,7 +105,7 @@ def _log_level(env: Mapping[str, str]) -> int:
     )
 
 
-def _host_reduce(env: Mapping[str, str]) -> Optional[str]:
+def _host_reduce(env: Mapping[str, str]) -> str | None:
     raw = env.get("PCIE_ALLREDUCE_HOST_REDUCE")
     if raw is None or raw.strip() == "":
         return None
@@ -116,18 +117,18 @@ def _host_reduce(env: Mapping[str, str]) -> Optional[str]:
     return None if value == "auto" else value
 
 
-def _path(env: Mapping[str, str], name: str) -> Optional[Path]:
+def _path(env: Mapping[str, str], name: str) -> Path | None:
     raw = env.get(name, "").strip()
     return Path(raw).expanduser() if raw else None
 
 
-def integrations_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
+def integrations_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether the engine integrations may install themselves: PCIE_ALLREDUCE_ENABLE=1 only."""
     return read_env(env).enable is True
 
 
 # Env field -> (its flag, its parser): each flag is read by exactly one of these.
-_FLAGS: Dict[str, Tuple[str, Callable[[Mapping[str, str]], Any]]] = {
+_FLAGS: dict[str, tuple[str, Callable[[Mapping[str, str]], Any]]] = {
     "enable": ("PCIE_ALLREDUCE_ENABLE", lambda e: _flag(e, "PCIE_ALLREDUCE_ENABLE", None)),
     "max_numel": (
         "PCIE_ALLREDUCE_MAX_NUMEL",
@@ -154,11 +155,11 @@ _FLAGS: Dict[str, Tuple[str, Callable[[Mapping[str, str]], Any]]] = {
 }
 
 
-def read_flags(env: Mapping[str, str]) -> Tuple[Env, Dict[str, str]]:
+def read_flags(env: Mapping[str, str]) -> tuple[Env, dict[str, str]]:
     """Every flag of ``env`` parsed on its own: a bad one keeps its default and its error is
     returned under the flag's name (doctor reports them instead of raising)."""
-    values: Dict[str, Any] = {}
-    problems: Dict[str, str] = {}
+    values: dict[str, Any] = {}
+    problems: dict[str, str] = {}
     for name, (flag, parse) in _FLAGS.items():
         try:
             values[name] = parse(env)
@@ -167,7 +168,7 @@ def read_flags(env: Mapping[str, str]) -> Tuple[Env, Dict[str, str]]:
     return Env(**values), problems
 
 
-def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
+def read_env(env: Mapping[str, str] | None = None) -> Env:
     """Every flag of ``env`` (default: this process's environment), parsed and checked: the
     first bad one raises."""
     flags, problems = read_flags(os.environ if env is None else env)
@@ -176,6 +177,6 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> Env:
     return flags
 
 
-def snapshot() -> Dict[str, str]:
+def snapshot() -> dict[str, str]:
     """This process's whole environment, copied: what a subprocess is started with."""
     return dict(os.environ)

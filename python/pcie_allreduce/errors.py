@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 
 class PcieAllReduceTimeout(RuntimeError):
@@ -12,12 +12,12 @@ class PcieAllReduceTimeout(RuntimeError):
     the block, and the generations seen and expected (or both ranks' numel and signature).
     """
 
-    def __init__(self, message: str, diagnostic: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, message: str, diagnostic: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.diagnostic = diagnostic or {}
 
     @property
-    def peer(self) -> Optional[int]:
+    def peer(self) -> int | None:
         return self.diagnostic.get("peer")
 
 

@@ -18,7 +18,6 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 # A tuning table or cache of every dtype, world and bucket is a few KiB; ten times the largest
 # plausible one.
@@ -48,7 +47,7 @@ def _trusted_owner(uid: int) -> bool:
     return uid in (os.geteuid(), 0)
 
 
-def folder_problem(folder: Path) -> Optional[str]:
+def folder_problem(folder: Path) -> str | None:
     """Why the cache folder ``folder`` is not trusted, or None (also None when it is missing:
     ``ensure_folder`` creates it)."""
     try:

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .native import _C
 
@@ -20,7 +20,7 @@ PROTOCOLS = tuple(_C.protocols())
 FLAG_IN_DATA = tuple(p for p in PROTOCOLS if p != "flag")
 
 
-def island_map(world: int, islands: Optional[Sequence[Sequence[int]]]) -> list[int]:
+def island_map(world: int, islands: Sequence[Sequence[int]] | None) -> list[int]:
     """rank -> island index from a list of islands (lists of ranks); [] for flat."""
     if islands is None:
         return []
@@ -41,12 +41,12 @@ def island_map(world: int, islands: Optional[Sequence[Sequence[int]]]) -> list[i
 def build(
     algorithm: str,
     world: int,
-    islands: Optional[Sequence[Sequence[int]]] = None,
+    islands: Sequence[Sequence[int]] | None = None,
     direction: str = "push",
     staged: bool = True,
     protocol: str = "flag",
     collective: str = "all_reduce",
-) -> "_C.Schedule":
+) -> _C.Schedule:
     """A schedule for `algorithm` on `world` ranks; ValueError says why one cannot be built.
 
     protocol="ll" builds the flag-in-data variant (push, unstaged): no fences, no flag words,
@@ -63,12 +63,12 @@ def build(
 def why_unsupported(
     algorithm: str,
     world: int,
-    islands: Optional[Sequence[Sequence[int]]] = None,
+    islands: Sequence[Sequence[int]] | None = None,
     direction: str = "push",
     staged: bool = False,
     protocol: str = "flag",
     collective: str = "all_reduce",
-) -> Optional[str]:
+) -> str | None:
     return _C.why_unsupported(
         algorithm, world, island_map(world, islands), direction, staged, protocol, collective
     )

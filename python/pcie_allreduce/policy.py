@@ -24,8 +24,9 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 from . import __version__
 
@@ -45,7 +46,7 @@ WHAT = {
 }
 
 
-def transport_names() -> Dict[str, List[str]]:
+def transport_names() -> dict[str, list[str]]:
     """{canonical name: its aliases}, as ``_C.transport_names()`` gives the extension's."""
     return {name: sorted(a for a, n in ALIASES.items() if n == name) for name in TRANSPORTS}
 
@@ -56,7 +57,7 @@ def _spellings(names: Sequence[str]) -> str:
 
 
 def canonical(
-    raw: Optional[str], what: str = "transport", accepted: Sequence[str] = (AUTO, *TRANSPORTS)
+    raw: str | None, what: str = "transport", accepted: Sequence[str] = (AUTO, *TRANSPORTS)
 ) -> str:
     """The canonical name of ``raw`` (a name or an alias; case and spaces ignored; None or
     empty is auto), or a ValueError saying what ``what`` accepts."""
@@ -67,7 +68,7 @@ def canonical(
     return value
 
 
-def cuda_mode(raw: Optional[str], what: str) -> str:
+def cuda_mode(raw: str | None, what: str) -> str:
     """What a CUDA communicator is asked to run: auto, cuda_ipc or cuda_host."""
     return canonical(raw, what, CUDA_MODES)
 
@@ -92,7 +93,7 @@ class TransportChoice:
 
 
 def choose_transport(
-    device_type: str, argument: Optional[str], env_mode: str, device: str = ""
+    device_type: str, argument: str | None, env_mode: str, device: str = ""
 ) -> TransportChoice:
     """``transport=`` (None: ``env_mode``, PCIE_ALLREDUCE_TRANSPORT) for a communicator whose
     tensors live on ``device_type``; a transport those tensors cannot use is a ValueError."""
@@ -118,7 +119,7 @@ def choose_transport(
     return TransportChoice(CUDA_HOST if mode == CUDA_HOST else CUDA_IPC, mode, asked_by)
 
 
-def transport_after_p2p_failure(mode: str) -> Optional[str]:
+def transport_after_p2p_failure(mode: str) -> str | None:
     """What a CUDA group runs when the P2P write-and-verify fails on some pair: cuda_host (in
     auto mode it moves there; asked for cuda_host it never used P2P); None when cuda_ipc was
     asked for: the group declines ``no_p2p``."""
@@ -148,7 +149,7 @@ def table_key(transport: str, probed: str = "flat") -> str:
     return probed
 
 
-def islands_for_table(topology: Any) -> List[int]:
+def islands_for_table(topology: Any) -> list[int]:
     """A topology's rank -> island map as tables and fingerprints use it ([] for one island)."""
     return list(topology.island_of()) if len(topology.islands()) > 1 else []
 
@@ -159,7 +160,7 @@ def islands_for_table(topology: Any) -> List[int]:
 CACHE_FORMAT = 1
 
 
-def driver_field(driver: Optional[str], cuda_runtime: Optional[str]) -> str:
+def driver_field(driver: str | None, cuda_runtime: str | None) -> str:
     """The driver field of a CUDA fingerprint: the NVIDIA driver (None when nvidia-smi could not
     be asked; "" when it did not say) and the CUDA runtime torch was built with."""
     if driver is None:
@@ -175,7 +176,7 @@ def fingerprint_fields(
     devices: Sequence[str],
     driver: str = "",
     links: str = "",
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Everything that changes which tactic wins: what a cache file is valid for (``links``:
     the group's pairwise link classes, ``Topology.fingerprint()`` of its GPUs). Transport and
     key may be given in any accepted spelling; the fields hold the canonical ones."""
@@ -213,8 +214,8 @@ class TableRequest:
     given as the argument, a file (``path``, named by the argument or PCIE_ALLREDUCE_TABLE), or
     neither: then rank 0's reading of this host's tuning cache, else the embedded seed."""
 
-    text: Optional[str] = None
-    path: Optional[str] = None
+    text: str | None = None
+    path: str | None = None
     source: str = SEED_SOURCE  # stats()["table_source"]; the seed's until a cache is found
     what: str = ""  # names the file in errors: "table file" or "PCIE_ALLREDUCE_TABLE"
 
@@ -224,7 +225,7 @@ class TableRequest:
         return self.text is not None or self.path is not None
 
 
-def table_request(argument: Optional[str], env_table: Optional[str]) -> TableRequest:
+def table_request(argument: str | None, env_table: str | None) -> TableRequest:
     """The ``table=`` argument (CSV text when it holds a newline or a comma, else a path), else
     PCIE_ALLREDUCE_TABLE (a path), else the cache or the seed."""
     if argument is None:
@@ -322,7 +323,7 @@ def _round_up(numel: int, how: str) -> Sizing:
 def size_workspace(
     *,
     explicit: Any = None,
-    from_env: Optional[int] = None,
+    from_env: int | None = None,
     hidden: Any = None,
     max_rows: Any = None,
 ) -> Sizing:
@@ -350,7 +351,7 @@ def size_workspace(
     return Sizing(s.max_numel, "guess", s.how, guessed=True)
 
 
-def rows_covered(max_numel: int, hidden: Any, max_rows: Any) -> Optional[int]:
+def rows_covered(max_numel: int, hidden: Any, max_rows: Any) -> int | None:
     """How many rows of ``hidden`` a workspace of ``max_numel`` holds (``prepare(hidden,
     max_rows)``); None when neither is given. Both or neither, positive whole numbers."""
     if hidden is None and max_rows is None:

@@ -6,17 +6,15 @@ ranks' inputs and check a reduced result against their sum in float64.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 import torch
 
-DTYPES: Dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
 # Relative to the sum of |inputs|: one rounding of the result plus one of island partials.
-RTOL: Dict[str, float] = {"bf16": 2.0**-6, "fp16": 2.0**-9, "fp32": 1e-5}
+RTOL: dict[str, float] = {"bf16": 2.0**-6, "fp16": 2.0**-9, "fp32": 1e-5}
 _ATOL = 1e-6
 
 
@@ -28,7 +26,7 @@ def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torc
 
 def reference(
     world: int, numel: int, dtype: torch.dtype, seed: int = 0
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, sum of magnitudes) of every rank's input in float64."""
     total = torch.zeros(numel, dtype=torch.float64)
     mag = torch.zeros(numel, dtype=torch.float64)
@@ -53,7 +51,7 @@ NORM_PARTIALS = 2048  # plan::kNormPartials
 
 def fused_in_order(
     total: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out) from an all-reduce result ``total``, operation for operation as
     plan/epilogue.h orders it: what the fused kernels must return bit for bit."""
     dtype = total.dtype
@@ -80,7 +78,7 @@ def fused_in_order(
 
 def fused_float64(
     xs, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out) in float64 from every rank's x: the exact target."""
     total = torch.zeros(xs[0].shape, dtype=torch.float64)
     for x in xs:

@@ -8,9 +8,10 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from . import policy
 from .native import _C
 
 
-def run_nvidia_smi(args: List[str]) -> Optional[str]:
+def run_nvidia_smi(args: list[str]) -> str | None:
     """stdout of ``nvidia-smi ARGS``, or None when nvidia-smi is missing, fails or prints
     nothing, or prints bytes that are not UTF-8 (a broken driver install is a failed probe)."""
     exe = shutil.which("nvidia-smi")
@@ -31,19 +32,19 @@ def run_nvidia_smi(args: List[str]) -> Optional[str]:
     return done.stdout if done.returncode == 0 and done.stdout.strip() else None
 
 
-def nvidia_smi_topo_text() -> Optional[str]:
+def nvidia_smi_topo_text() -> str | None:
     """`nvidia-smi topo -m` output, or None when nvidia-smi is missing or fails."""
     return run_nvidia_smi(["topo", "-m"])
 
 
-def nvidia_smi_query(fields: str) -> List[List[str]]:
+def nvidia_smi_query(fields: str) -> list[list[str]]:
     """`nvidia-smi --query-gpu=FIELDS` rows in nvidia-smi's GPU order (the order of `topo -m`
     rows), each a list of stripped values; [] when nvidia-smi is missing or fails."""
     out = run_nvidia_smi([f"--query-gpu={fields}", "--format=csv,noheader"]) or ""
     return [[v.strip() for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
-def nvidia_smi_bus_ids() -> List[str]:
+def nvidia_smi_bus_ids() -> list[str]:
     """PCI bus ids in nvidia-smi's GPU order (the order of `topo -m` rows)."""
     return [_norm_bus(row[0]) for row in nvidia_smi_query("pci.bus_id")]
 
@@ -60,7 +61,7 @@ def _norm_bus(bus_id: str) -> str:
     return bus_id.strip().lower().split(":", 1)[-1] if bus_id.count(":") == 2 else bus_id.lower()
 
 
-def probe() -> Optional["_C.Topology"]:
+def probe() -> _C.Topology | None:
     """This host's GPU topology from nvidia-smi, or None without GPUs or nvidia-smi."""
     text = nvidia_smi_topo_text()
     if text is None:
@@ -68,7 +69,7 @@ def probe() -> Optional["_C.Topology"]:
     return _C.Topology.from_nvidia_smi(text)
 
 
-def host_devices() -> List[str]:
+def host_devices() -> list[str]:
     """What the host transport runs on, for its fingerprint: the CPU model and the number of
     NUMA nodes."""
     model = platform.processor() or platform.machine()
@@ -83,7 +84,7 @@ def host_devices() -> List[str]:
     return [f"{model} ({os.cpu_count()} CPUs, {nodes} NUMA node(s))"]
 
 
-def describe_host() -> Dict[str, Any]:
+def describe_host() -> dict[str, Any]:
     """What a machine without GPUs offers the host transport."""
     nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
     shm = shutil.disk_usage("/dev/shm") if Path("/dev/shm").exists() else None
@@ -103,22 +104,22 @@ class GroupTopology:
     """What a CUDA communicator needs to know about its group's GPUs."""
 
     table_key: str = "flat"
-    island_of: List[int] = field(default_factory=list)
-    decline: Optional[str] = None  # "nvlink" / "no_p2p" when the backend must not run
+    island_of: list[int] = field(default_factory=list)
+    decline: str | None = None  # "nvlink" / "no_p2p" when the backend must not run
     detail: str = ""
-    devices: List[str] = field(default_factory=list)  # every rank's GPU name, in rank order
+    devices: list[str] = field(default_factory=list)  # every rank's GPU name, in rank order
     driver: str = ""
     links: str = ""  # the group's link classes (Topology.fingerprint of the group's subset)
 
 
 def probe_cuda_group(
-    gather: Callable[[Any, str], List[Any]], device: torch.device, given: Optional[Any] = None
+    gather: Callable[[Any, str], list[Any]], device: torch.device, given: Any | None = None
 ) -> GroupTopology:
     """Islands and NVLink for the GPUs of a group (collective: ``gather(obj, step)`` returns
     every rank's ``obj``, as :meth:`Bootstrap.gather` does)."""
     props = torch.cuda.get_device_properties(device)
     mine = {"bus": _norm_bus(getattr(props, "pci_bus_id", "") or ""), "name": props.name}
-    everyone: List[Dict[str, str]] = gather(mine, "topology probe")
+    everyone: list[dict[str, str]] = gather(mine, "topology probe")
     world = len(everyone)
     names = [e["name"] for e in everyone]
     topo = given if given is not None else probe()
@@ -135,7 +136,7 @@ def probe_cuda_group(
     return result
 
 
-def _group_topology(topo: Any, everyone: List[Dict[str, str]], world: int) -> GroupTopology:
+def _group_topology(topo: Any, everyone: list[dict[str, str]], world: int) -> GroupTopology:
     """Islands and NVLink of the group's GPUs within the host's topology."""
     order = nvidia_smi_bus_ids()
     try:

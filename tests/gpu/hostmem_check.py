@@ -32,12 +32,13 @@ import multiprocessing
 import os
 import sys
 import threading
-from typing import Any, Callable, List, Set
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 import two_ranks
+
 from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 
 # Every flag tactic (oneshot / twoshot x push / pull x staged / unstaged) and the LL ones.
@@ -84,7 +85,7 @@ def check(out: torch.Tensor, world: int, numel: int, name: str, seed: int = 0) -
         raise AssertionError(f"{bad} of {numel} {name} elements off the float64 reference")
 
 
-def shm_names(pid: int | None = None) -> Set[str]:
+def shm_names(pid: int | None = None) -> set[str]:
     """The /dev/shm entries named pcie_ar.* (created by process `pid` when given: the names
     are "pcie_ar.<creator pid>.<random>.r<rank>")."""
     prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}."
@@ -98,7 +99,7 @@ def fallback_calls(ar: Any) -> int:
     return int(ar.stats()["calls"].get("fallback", 0))
 
 
-def forced_hostmem(rank: int, world: int, dev: torch.device, cls: Any) -> List[str]:
+def forced_hostmem(rank: int, world: int, dev: torch.device, cls: Any) -> list[str]:
     """(a): every table x dtype x size on transport="hostmem"."""
     lines = []
     for index, (label, table) in enumerate(TABLES.items()):
@@ -148,7 +149,7 @@ def graph_replay(rank: int, world: int, dev: torch.device, cls: Any, label: str)
             for (name, n), x in zip(GRAPH_CALLS, xs):
                 x.copy_(rank_input(rank, n, DTYPES[name], seed=500 + i))
 
-        def verify(outs: List[torch.Tensor], i: int) -> None:
+        def verify(outs: list[torch.Tensor], i: int) -> None:
             for (name, n), out in zip(GRAPH_CALLS, outs):
                 check(out, world, n, name, seed=500 + i)
 
@@ -172,7 +173,7 @@ def graph_replay(rank: int, world: int, dev: torch.device, cls: Any, label: str)
     )
 
 
-def automatic_switch(rank: int, world: int, dev: torch.device, cls: Any) -> List[str]:
+def automatic_switch(rank: int, world: int, dev: torch.device, cls: Any) -> list[str]:
     """(c): a failed P2P check moves the default transport to host memory; "p2p" declines."""
     from pcie_allreduce.construction import Builder
 
@@ -216,7 +217,7 @@ def automatic_switch(rank: int, world: int, dev: torch.device, cls: Any) -> List
     return lines
 
 
-def body(rank: int, world: int) -> List[str]:
+def body(rank: int, world: int) -> list[str]:
     from pcie_allreduce import PcieAllReduce
 
     lines = [f"rank {rank} pid {os.getpid()}"]

@@ -14,8 +14,8 @@ import time
 
 import torch
 import torch.distributed as dist
-
 import two_ranks
+
 from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 
 TABLES = {

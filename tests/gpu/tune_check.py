@@ -11,7 +11,6 @@ import sys
 import tempfile
 
 import torch
-
 import two_ranks
 
 

@@ -8,16 +8,17 @@ import os
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-Body = Callable[[int, int], List[str]]
+Body = Callable[[int, int], list[str]]
 
 
-def finish(rank: int, lines: List[str]) -> None:
+def finish(rank: int, lines: list[str]) -> None:
     """Reports this rank's lines and exits at once. A body whose CUDA context trapped calls it
     itself, with its tensors still alive: freeing one after a trap aborts the process."""
     with open(os.path.join(os.environ["TWO_RANKS_OUT"], f"rank{rank}.txt"), "w") as f:
@@ -61,7 +62,7 @@ def run(body: Body, name: str, world: int = 2, timeout_s: float = 300.0) -> int:
     return 0 if ok else 1
 
 
-def timeout_path(rank: int, ar: Any, dev: torch.device, lines: List[str]) -> List[str]:
+def timeout_path(rank: int, ar: Any, dev: torch.device, lines: list[str]) -> list[str]:
     """The timeout path at world 2 on a communicator with timeout_s 2: rank 1 never calls, so
     rank 0's kernel traps within the timeout and raises PcieAllReduceTimeout naming peer 1. A
     trapped kernel leaves the CUDA context unusable (freeing a tensor then aborts the process),

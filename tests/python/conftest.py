@@ -8,8 +8,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
@@ -39,7 +40,7 @@ def _entry(
     init_file: str,
     fn: Callable[..., Any],
     args: tuple,
-    env: Dict[str, str],
+    env: dict[str, str],
     out_dir: str,
 ) -> None:
     os.environ.update(env)
@@ -57,7 +58,7 @@ def _entry(
     leave_group(report(rank, out_dir, body, on_error=lambda e: {"attrs": _attrs(e)}))
 
 
-def _attrs(e: BaseException) -> Dict[str, Any]:
+def _attrs(e: BaseException) -> dict[str, Any]:
     out = {}
     for name in ("diagnostic", "elapsed"):
         if hasattr(e, name):
@@ -66,7 +67,7 @@ def _attrs(e: BaseException) -> Dict[str, Any]:
 
 
 class RankResults(list):
-    def values(self) -> List[Any]:
+    def values(self) -> list[Any]:
         return [r["value"] for r in self]
 
 
@@ -75,7 +76,7 @@ def run_ranks(
     world: int,
     *args: Any,
     timeout: float = 180.0,
-    env: Optional[Dict[str, str]] = None,
+    env: dict[str, str] | None = None,
     allow_failures: bool = False,
 ) -> RankResults:
     """Runs fn(rank, world, *args) in `world` spawned processes joined by a gloo group.

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ranks
 
 FP = "host_shm-w2-0123456789ab"

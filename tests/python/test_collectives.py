@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import run_ranks
+
 from pcie_allreduce.testing import DTYPES, rank_input
 
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import run_ranks, shm_entries
+
 from pcie_allreduce.testing import DTYPES, count_wrong, rank_input
 
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
-
 from conftest import run_ranks
+
 from pcie_allreduce import _C
 from pcie_allreduce.testing import rank_input
 

@@ -7,7 +7,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from conftest import run_ranks
 
 

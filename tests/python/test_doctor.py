@@ -11,7 +11,7 @@ import sys
 import time
 import types
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "doctor"
 CORPUS = Path(__file__).resolve().parents[1] / "fuzz" / "corpus" / "fuzz_nvidia_smi_topo"
 
 
-def parse(argv: List[str]) -> argparse.Namespace:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pcie-allreduce")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor.add_parser(sub)
@@ -48,7 +48,7 @@ def run_doctor(capsys: Any, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def run_json(capsys: Any, *argv: str) -> tuple[int, Dict[str, Any]]:
+def run_json(capsys: Any, *argv: str) -> tuple[int, dict[str, Any]]:
     code, out, err = run_doctor(capsys, "--json", *argv)
     assert err == ""
     return code, json.loads(out)  # exactly one JSON object, nothing else
@@ -365,7 +365,7 @@ def test_bad_fixture_directory_is_a_usage_error(capsys, tmp_path, setup, message
 # ---------------------------------------------------------------------------- tuning table
 
 
-def write_valid_cache(path: Path, fp: str, fields: Dict[str, Any]) -> None:
+def write_valid_cache(path: Path, fp: str, fields: dict[str, Any]) -> None:
     rows = (
         "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,threads\n"
         "*,*,*,0,*,fallback,,,,\n"
@@ -376,7 +376,7 @@ def write_valid_cache(path: Path, fp: str, fields: Dict[str, Any]) -> None:
 def test_host_cache_report_tells_valid_foreign_and_corrupt(private_cache):
     devices = host_devices()
 
-    def fields(world: int) -> Dict[str, Any]:
+    def fields(world: int) -> dict[str, Any]:
         return policy.fingerprint_fields("host", world, "host", [], devices, "")
 
     valid_fp = policy.fingerprint(fields(2))
@@ -483,7 +483,7 @@ class RunnableFixture(system.FixtureSystem):
         return True
 
 
-def no_p2p_reason(pairs: List[tuple[int, int]]) -> str:
+def no_p2p_reason(pairs: list[tuple[int, int]]) -> str:
     """The disabled_reason a communicator reports after a failed write-and-verify."""
     shown = ", ".join(f"rank {s} -> rank {d}" for s, d in pairs[:8])
     return (
@@ -493,8 +493,8 @@ def no_p2p_reason(pairs: List[tuple[int, int]]) -> str:
 
 
 def fake_runner(
-    result: Optional[Dict[str, Any]],
-    calls: List[int],
+    result: dict[str, Any] | None,
+    calls: list[int],
     returncode: int = 0,
     timed_out: bool = False,
     noise: str = "",
@@ -521,7 +521,7 @@ def p2p_host(tmp_path: Path) -> tuple[RunnableFixture, inventory.Inventory]:
 def test_p2p_failures_are_parsed_per_pair_and_cached(tmp_path):
     system, inv = p2p_host(tmp_path)
     broken = [(0, 4), (4, 0), (1, 5)]
-    calls: List[int] = []
+    calls: list[int] = []
     runner = fake_runner(
         {"enabled": False, "reason": no_p2p_reason(broken)}, calls, noise="warming up\n"
     )
@@ -569,7 +569,7 @@ def test_a_full_list_of_eight_failures_marks_other_pairs_unverified(tmp_path):
 
 def test_all_pairs_ok_is_cached_and_counted(tmp_path):
     system, inv = p2p_host(tmp_path)
-    calls: List[int] = []
+    calls: list[int] = []
     result = p2p.check_p2p(
         system, inv, skip=False, runner=fake_runner({"enabled": True, "reason": None}, calls)
     )
@@ -581,7 +581,7 @@ def test_all_pairs_ok_is_cached_and_counted(tmp_path):
 @pytest.mark.parametrize("kind", ["crash", "timeout", "rank_error", "other_reason"])
 def test_a_failed_p2p_test_is_reported_and_never_cached(tmp_path, kind):
     system, inv = p2p_host(tmp_path)
-    calls: List[int] = []
+    calls: list[int] = []
     runner = {
         "crash": fake_runner(None, calls, returncode=-11, noise="Segmentation fault\n"),
         "timeout": fake_runner(None, calls, timed_out=True),
@@ -616,7 +616,7 @@ def test_a_tested_p2p_failure_leads_where_the_transport_setting_says(
 ):
     fixture = fixture_with_transport("two_socket_8gpu", tmp_path, transport)
     (fixture / "p2p.json").unlink()
-    calls: List[int] = []
+    calls: list[int] = []
     runner = fake_runner({"enabled": False, "reason": no_p2p_reason([(0, 4), (4, 0)])}, calls)
     report = doctor.run(RunnableFixture(fixture), p2p_runner=runner)
     assert calls == [8] and report["p2p"]["status"] == "failed"
@@ -634,10 +634,11 @@ class _FakeQueue(list):
 def test_the_p2p_subprocess_tests_peer_to_peer_whatever_the_environment(monkeypatch):
     """Each rank constructs its communicator with transport="p2p": in auto mode a failed
     check would move to host memory and stay enabled, hiding the failure."""
-    import pcie_allreduce.communicator as communicator
     import torch.distributed as dist
 
-    made: List[Dict[str, Any]] = []
+    import pcie_allreduce.communicator as communicator
+
+    made: list[dict[str, Any]] = []
 
     class FakeAllReduce:
         """Behaves like the communicator on a host whose peer writes do not arrive."""
@@ -717,7 +718,7 @@ def test_a_hung_subprocess_is_killed_with_everything_it_started():
 # ---------------------------------------------------------------------------- NVML
 
 
-def fake_nvml(levels: List[List[int]], nvlinks: Dict[int, List[str]]) -> types.SimpleNamespace:
+def fake_nvml(levels: list[list[int]], nvlinks: dict[int, list[str]]) -> types.SimpleNamespace:
     """A pynvml stand-in: ``levels`` the common-ancestor matrix, ``nvlinks`` GPU -> the bus
     ids its active links reach."""
     n = len(levels)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import run_ranks
+
 from pcie_allreduce.testing import DTYPES, fused_float64, fused_in_order, rank_input
 
 ALGORITHMS = ("oneshot", "twoshot", "island_oneshot", "island_twoshot")

@@ -5,12 +5,12 @@ in tests/engines)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 import torch
-
 from conftest import run_ranks
+
 from pcie_allreduce import policy
 from pcie_allreduce.integrations import common
 
@@ -51,7 +51,7 @@ def test_sizing_explicit_env_wins_then_derived_then_an_announced_guess(monkeypat
     assert "could not read the decode max batch" in caplog.text and "sglang" in caplog.text
 
 
-def _deterministic(rank: int, world: int) -> Dict[str, Any]:
+def _deterministic(rank: int, world: int) -> dict[str, Any]:
     from pcie_allreduce import PcieAllReduce
 
     ar = PcieAllReduce(None, "cpu", max_numel=1 << 15, table=common.deterministic_table("host"))
@@ -74,7 +74,7 @@ def test_deterministic_mode_pins_oneshot_and_the_warm_up_leaves_a_given_table_al
         assert "table: table argument" in r["line"]
 
 
-def _warm_up_tunes(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
+def _warm_up_tunes(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
     import os
 
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir

@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import run_ranks
 
 

@@ -4,8 +4,8 @@ the fingerprint, where a table comes from, and one rule for the workspace size."
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_ranks
+
 from pcie_allreduce import policy
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 import torch
-
 from conftest import run_ranks
 
 MAX_NUMEL = 8192
@@ -19,7 +18,7 @@ TABLE = (
 )
 
 
-def _prepare(rank: int, world: int) -> Dict[str, Any]:
+def _prepare(rank: int, world: int) -> dict[str, Any]:
     from pcie_allreduce import PcieAllReduce
 
     prepared = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL, table=TABLE)

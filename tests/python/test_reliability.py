@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_ranks
 
 HERE = Path(__file__).resolve().parent

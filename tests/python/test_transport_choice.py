@@ -12,11 +12,10 @@ new fingerprint, stats() and destroy(). The GPU half is tests/gpu/hostmem_check.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import torch
-
 from conftest import run_ranks
 
 CONNECT_ERROR = (
@@ -35,22 +34,22 @@ class _GpuStandIn:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def connect(self, tokens: List[bytes]) -> None:
+    def connect(self, tokens: list[bytes]) -> None:
         if self.transport == "cuda_ipc" and self.inject == "connect" and self.rank == 1:
             raise RuntimeError(CONNECT_ERROR)
         self.inner.connect(tokens)
 
-    def probe_read(self, nonce: int) -> List[int]:
+    def probe_read(self, nonce: int) -> list[int]:
         if self.transport == "cuda_ipc" and self.inject == "probe" and self.rank == 1:
             return [0]  # rank 0's writes did not arrive here
         return self.inner.probe_read(nonce)
 
 
-def _stand_in_for_gpus(rank: int, failure: str) -> List[str]:
+def _stand_in_for_gpus(rank: int, failure: str) -> list[str]:
     """Installs the stand-in in this rank process; returns the list of transports made."""
     from pcie_allreduce import _C, construction
 
-    made: List[str] = []
+    made: list[str] = []
     real = _C
 
     class FakeC:
@@ -79,7 +78,7 @@ def _stand_in_for_gpus(rank: int, failure: str) -> List[str]:
 
 def _construct(
     rank: int, world: int, failure: str, transport: Any = None, check_call: bool = True
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     from pcie_allreduce import PcieAllReduce
 
     made = _stand_in_for_gpus(rank, failure)
@@ -91,7 +90,7 @@ def _construct(
         transport=transport,
         timeout_s=20,
     )
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "made": list(made),
         "enabled": ar.enabled,
         "reason": ar.disabled_reason,
@@ -181,7 +180,7 @@ def test_hostmem_forces_host_memory_without_trying_p2p(how, clean_shm):
         assert res["correct"]
 
 
-def _ranks_disagree(rank: int, world: int) -> Dict[str, Any]:
+def _ranks_disagree(rank: int, world: int) -> dict[str, Any]:
     return _construct(rank, world, "none", "hostmem" if rank == 0 else "auto")
 
 
@@ -196,7 +195,7 @@ def test_ranks_that_disagree_on_the_transport_turn_the_backend_off_everywhere(cl
         assert res["correct"]
 
 
-def _cache_after_switch(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
+def _cache_after_switch(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
     """Constructs once (P2P fails: host memory), has rank 0 write a tuning cache for the
     host-memory fingerprint, then constructs again: the switch must adopt that cache."""
     import torch.distributed as dist

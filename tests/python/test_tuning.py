@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import torch
-
 from conftest import run_ranks
 
 MAX_NUMEL = 4096  # 8 KiB of bf16: buckets 1, 2, 4, 8 KiB
 QUICK = {"max_bytes": 4096, "budget_s": 6.0, "progress": False}
 
 
-def _tune_and_reopen(rank: int, world: int, cache_dir: str, force: bool) -> Dict[str, Any]:
+def _tune_and_reopen(rank: int, world: int, cache_dir: str, force: bool) -> dict[str, Any]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
     from pcie_allreduce import PcieAllReduce
     from pcie_allreduce.testing import DTYPES
@@ -108,7 +107,7 @@ def _synthetic_costs(rank: int, seed: int):
     return timer
 
 
-def _tune_twice(rank: int, world: int, cache_dir: str) -> List[Dict[str, Any]]:
+def _tune_twice(rank: int, world: int, cache_dir: str) -> list[dict[str, Any]]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
     from pcie_allreduce import PcieAllReduce
     from pcie_allreduce.tuning import tuner
@@ -162,7 +161,7 @@ def test_two_tunes_of_one_host_choose_the_same_and_a_third_measures_nothing(tmp_
     assert third["edges"][hi3 - 16] == SEED_CHOICE and third["edges"][lo4] == CLEAR
 
 
-def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> Dict[str, Any]:
+def _bad_cache(rank: int, world: int, cache_dir: str, damage: str) -> dict[str, Any]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
     from pcie_allreduce import PcieAllReduce
     from pcie_allreduce.tuning import cache, tuner
@@ -220,7 +219,7 @@ def test_a_damaged_cache_is_reported_ignored_and_replaced_by_the_next_tune(
     assert "ignoring the tuning cache" in err and words[damage] in err
 
 
-def _racing_groups(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
+def _racing_groups(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
     """Two world-2 groups on one host (ranks 0-1 and 2-3) tune at the same moment."""
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
     import torch.distributed as dist
@@ -287,7 +286,7 @@ def test_tune_refuses_on_every_rank_saying_why_and_measures_nothing(
     assert list(tmp_path.glob("*.csv")) == []
 
 
-def _table_disagreement(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
+def _table_disagreement(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
     from pcie_allreduce import PcieAllReduce
     from pcie_allreduce.tuning import tuner
@@ -336,7 +335,7 @@ def test_the_incumbent_stays_unless_beaten_by_more_than_the_noise():
     assert keep_or_replace(None, {"a": inc, "b": [t * 0.98 for t in inc]})[0] == "b"
 
 
-def _bad_arguments(rank: int, world: int) -> List[str]:
+def _bad_arguments(rank: int, world: int) -> list[str]:
     from pcie_allreduce import PcieAllReduce
 
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL, dtypes=("bf16", "fp32"))
@@ -368,7 +367,7 @@ def test_bad_tune_arguments_raise_before_any_exchange_saying_what_was_expected(c
     assert all("positive number of seconds" in m for m in messages[3:])
 
 
-def _replace_table(rank: int, world: int) -> Dict[str, Any]:
+def _replace_table(rank: int, world: int) -> dict[str, Any]:
     from pcie_allreduce import PcieAllReduce
 
     ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL)
@@ -443,7 +442,7 @@ def test_the_cache_loader_never_raises_on_damaged_files(tmp_path):
     assert {"truncated", "corrupt"} <= outcomes
 
 
-def _rounds_under(rank: int, world: int, cache_dir: str, budget_s: float) -> List[int]:
+def _rounds_under(rank: int, world: int, cache_dir: str, budget_s: float) -> list[int]:
     os.environ["PCIE_ALLREDUCE_CACHE_DIR"] = cache_dir
     from pcie_allreduce import PcieAllReduce
 

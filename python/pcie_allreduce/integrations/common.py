@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from .. import env as env_mod
 from .. import policy
@@ -20,7 +20,7 @@ logger = logging.getLogger("pcie_allreduce")
 
 TP_GROUP_NAME = "tp"  # exactly the engines' tensor-parallel group; never attention_tp, moe_tp
 # The collectives besides the all-reduce that the adapters route (PcieAllReduce's names).
-COLLECTIVES: Tuple[str, ...] = ("reduce_scatter", "all_gather")
+COLLECTIVES: tuple[str, ...] = ("reduce_scatter", "all_gather")
 # Declines the adapters decide themselves, before asking the communicator (the engine's path
 # runs the call). Like the communicator's reasons they depend only on what every rank agrees on
 # (shapes, dtypes, the sizes list the engine passes), so every rank declines together.
@@ -35,7 +35,7 @@ def enabled() -> bool:
     return env_mod.integrations_enabled()
 
 
-def ineligible(group_name: Optional[str], world_size: int) -> Optional[str]:
+def ineligible(group_name: str | None, world_size: int) -> str | None:
     """Why this engine group does not get a PcieAllReduce, or None."""
     if group_name != TP_GROUP_NAME:
         return f"group {group_name!r} is not the tensor-parallel group {TP_GROUP_NAME!r}"
@@ -45,7 +45,7 @@ def ineligible(group_name: Optional[str], world_size: int) -> Optional[str]:
 
 
 def size_workspace(
-    engine: str, *, max_bs: Optional[int], draft_tokens: Optional[int], hidden: Optional[int]
+    engine: str, *, max_bs: int | None, draft_tokens: int | None, hidden: int | None
 ) -> policy.Sizing:
     """PCIE_ALLREDUCE_MAX_NUMEL wins; else decode CUDA-graph max batch x draft tokens (1
     without speculation) x hidden; else a guess, announced in one warning. The numbers follow
@@ -81,13 +81,13 @@ def warm_up(
     ar: Any,
     *,
     engine_autotune_disabled: bool,
-    hidden: Optional[int] = None,
-    max_rows: Optional[int] = None,
-) -> Dict[str, Any]:
+    hidden: int | None = None,
+    max_rows: int | None = None,
+) -> dict[str, Any]:
     """Before graph capture and outside any engine autotune pass: tunes once when this host has
     no cache (unless the engine's or our disable-autotune flag is set, or the table was given),
     then installs every program a captured call could need."""
-    outcome: Dict[str, Any] = {"tuned": False}
+    outcome: dict[str, Any] = {"tuned": False}
     source = ar.stats()["table_source"]
     if not ar.enabled:
         outcome["why_not_tuned"] = f"disabled ({ar.disabled_reason})"
@@ -116,7 +116,7 @@ class CollectiveDeclines:
     its own reduce_scatter/all_gather, in ``stats()["collectives"]``)."""
 
     def __init__(self) -> None:
-        self.counts: Dict[str, collections.Counter] = {
+        self.counts: dict[str, collections.Counter] = {
             c: collections.Counter() for c in COLLECTIVES
         }
 
@@ -126,7 +126,7 @@ class CollectiveDeclines:
         self.counts[collective][reason] = before + 1
         return before
 
-    def merge_into(self, stats: Dict[str, Any]) -> None:
+    def merge_into(self, stats: dict[str, Any]) -> None:
         """Adds these declines to ``stats["collectives"][c]["declines"]`` (the communicator's
         layout: only collectives and reasons with nonzero counts are present)."""
         merged = {
@@ -148,7 +148,7 @@ def overlaps(a: Any, b: Any) -> bool:
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
 
-    def span(t: Any) -> Tuple[int, int]:
+    def span(t: Any) -> tuple[int, int]:
         extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
         start = t.data_ptr()
         return start, start + extent * t.element_size()
@@ -167,7 +167,7 @@ def gathered_along(gathered: Any, world: int, size: Any, dim: int) -> Any:
     return out.reshape(tuple(size[:dim]) + (world * size[dim],) + tuple(size[dim + 1 :]))
 
 
-def collectives_summary(stats: Dict[str, Any]) -> str:
+def collectives_summary(stats: dict[str, Any]) -> str:
     """``; reduce_scatter calls: ...; reduce_scatter declines: ...`` (then the same for
     all_gather) for each collective that saw a call or a decline, else an empty string."""
     parts = []

@@ -68,7 +68,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .. import policy
 from . import common
@@ -142,7 +143,7 @@ def _after_group_init(result: Any, coordinator: Any, *args: Any, **kwargs: Any) 
     return None
 
 
-def _group_name(coordinator: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+def _group_name(coordinator: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The ``group_name`` the coordinator was built with (keyword or positional)."""
     init = type(coordinator).__init__
     try:
@@ -198,7 +199,7 @@ def _take_over_from_upstream(coordinator: Any, theirs: Any) -> None:
 # for a coordinator whose ``pcie_ipc_comm`` is ours (the tp group) and only for a call the
 # slot admits; every other call runs SGLang's method as it is. ``test_sglang_collectives.py``
 # pins the names and the call path against SGLang 0.5.23, so a rename fails a test.
-def _output_input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
+def _output_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
     """(output, input) of a ``(output, input)`` call, positional or keyword, else None."""
     names = ("output", "input")
     if len(args) + len(kwargs) != 2 or any(k not in names for k in kwargs):
@@ -235,11 +236,11 @@ def _all_gather_hook(
 
 
 # ---------------------------------------------------------------------------- the fused call
-_FUSED_SIGNATURE: Optional[inspect.Signature] = None
-_ENGINE_GATE: Optional[Callable[..., bool]] = None  # SGLang's own flashinfer_ar_fusion_applies
+_FUSED_SIGNATURE: inspect.Signature | None = None
+_ENGINE_GATE: Callable[..., bool] | None = None  # SGLang's own flashinfer_ar_fusion_applies
 
 
-def _tp_slot() -> Optional["SglangPcieAllReduce"]:
+def _tp_slot() -> SglangPcieAllReduce | None:
     """Our slot in SGLang's ``tp`` coordinator, or None (no groups yet, or not ours)."""
     from sglang.srt.runtime_context import get_parallel
 
@@ -296,7 +297,7 @@ def _fused_call(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return original(*args, **kwargs)
 
 
-def _fusion_off_reason(deterministic: bool) -> Optional[str]:
+def _fusion_off_reason(deterministic: bool) -> str | None:
     """Why SGLang would not fuse the all-reduce into the norm in this server, whatever the
     hardware (its own rules for its FlashInfer fusion), or None."""
     from sglang.srt.runtime_context import get_exec
@@ -323,7 +324,7 @@ def _fusion_off_reason(deterministic: bool) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------- SGLang's config
-def _read_config(path: str, read: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
+def _read_config(path: str, read: Callable[[], Any]) -> tuple[Any, str | None]:
     """(value, None), or (None, why not): SGLang's accessors raise ValueError until the server
     args are published; an AttributeError means this SGLang lays its config out differently
     from the one these paths were pinned against, which is said (a warning naming the path)."""
@@ -338,7 +339,7 @@ def _read_config(path: str, read: Callable[[], Any]) -> Tuple[Any, Optional[str]
         return None, f"SGLang's config has no {path}"
 
 
-def _decode_width() -> Tuple[Optional[int], Optional[int], str]:
+def _decode_width() -> tuple[int | None, int | None, str]:
     """(decode CUDA-graph max batch, draft tokens per request or None, where they came from)
     from SGLang's published config; (None, None, why) before it is published."""
     from sglang.srt.runtime_context import get_exec, get_spec
@@ -366,7 +367,7 @@ def _decode_width() -> Tuple[Optional[int], Optional[int], str]:
     return max_bs, draft, spec_problem or "SGLang's config"
 
 
-def _deterministic(engine_rule_fn: Callable[[], bool]) -> Tuple[bool, str]:
+def _deterministic(engine_rule_fn: Callable[[], bool]) -> tuple[bool, str]:
     """Whether this group's reductions must not depend on the batch, and why.
     ``engine_rule_fn`` is ``GroupCoordinator._deterministic_collectives_enabled``."""
     from sglang.srt.environ import envs
@@ -423,19 +424,19 @@ class SglangPcieAllReduce:
         self._cpu_group = cpu_group
         self._engine_deterministic = type(coordinator)._deterministic_collectives_enabled
         self.max_numel = 0
-        self.sizing: Optional[policy.Sizing] = None
-        self.deterministic: Optional[str] = None
-        self.warm_up_outcome: Optional[Dict[str, Any]] = None
+        self.sizing: policy.Sizing | None = None
+        self.deterministic: str | None = None
+        self.warm_up_outcome: dict[str, Any] | None = None
         self._ar: Any = None
-        self._failed: Optional[str] = None
+        self._failed: str | None = None
         self._destroyed = False
-        self._capture: Optional[contextlib.ExitStack] = None
-        self._declines: Dict[str, int] = {}
-        self.hidden: Optional[int] = None
+        self._capture: contextlib.ExitStack | None = None
+        self._declines: dict[str, int] = {}
+        self.hidden: int | None = None
         self._fused_routed = 0
-        self._fused_declines: Dict[str, int] = {}
+        self._fused_declines: dict[str, int] = {}
         self._collective_declines = common.CollectiveDeclines()
-        self._fusion_off: Optional[Tuple[Optional[str]]] = None  # (reason,) once decided
+        self._fusion_off: tuple[str | None] | None = None  # (reason,) once decided
 
     # ------------------------------------------------------------------ SGLang's API
     @property
@@ -446,9 +447,7 @@ class SglangPcieAllReduce:
             return True
         return self._ar is not None and not self._ar.enabled
 
-    def prepare(
-        self, hidden: Optional[int] = None, max_rows: Optional[int] = None
-    ) -> Dict[str, Any]:
+    def prepare(self, hidden: int | None = None, max_rows: int | None = None) -> dict[str, Any]:
         """Called by SGLang's runner on every rank before graph capture (collective): builds
         the communicator if needed, tunes once on a host without a cache, installs every
         program a captured call could need. Returns the warm-up outcome."""
@@ -538,7 +537,7 @@ class SglangPcieAllReduce:
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FlashInfer's contract: ``(norm_out, residual_out)``, both new tensors, with
         ``residual_out = sum_ranks(x) + residual`` (``residual`` itself untouched); None when
         the kernels do not take it (counted under ``fused_declines``), so SGLang's own path
@@ -637,7 +636,7 @@ class SglangPcieAllReduce:
         return True
 
     # ------------------------------------------------------------------ ours
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """``PcieAllReduce.stats()`` with the slot's own declines added (reductions SGLang
         offered that stayed on its path), the fused calls SGLang's fused call site routed to
         the communicator (``fused_routed``) and declined (added to ``fused_declines``), the
@@ -676,11 +675,11 @@ class SglangPcieAllReduce:
         return self._ar
 
     # ------------------------------------------------------------------ internals
-    def _rows_from_config(self) -> Optional[int]:
+    def _rows_from_config(self) -> int | None:
         max_bs, draft, _ = _decode_width()
         return max_bs * (draft or 1) if max_bs else None
 
-    def _build(self, hidden: Optional[int], max_rows: Optional[int]) -> bool:
+    def _build(self, hidden: int | None, max_rows: int | None) -> bool:
         """Builds the communicator (collective: every rank gets here at the same call)."""
         from ..communicator import PcieAllReduce
 

@@ -41,8 +41,9 @@ import contextlib
 import functools
 import logging
 import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 from .. import policy
 from . import common
@@ -74,20 +75,20 @@ CONFIG_PATHS = {
 class VllmSettings:
     """What a resolved VllmConfig says about the tensor-parallel all-reduce."""
 
-    max_bs: Optional[int] = None  # decode requests per step
+    max_bs: int | None = None  # decode requests per step
     draft_tokens: int = 1  # tokens verified per request per step: num_speculative_tokens + 1
-    hidden: Optional[int] = None
+    hidden: int | None = None
     batch_source: str = "no vLLM config is current"
     autotune_disabled: bool = False
     ubatching: bool = False
-    missing: List[str] = field(default_factory=list)  # paths absent upstream (renamed?)
+    missing: list[str] = field(default_factory=list)  # paths absent upstream (renamed?)
 
     @property
-    def max_rows(self) -> Optional[int]:
+    def max_rows(self) -> int | None:
         return self.max_bs * self.draft_tokens if self.max_bs else None
 
 
-def _get(root: Any, path: str, missing: List[str]) -> Any:
+def _get(root: Any, path: str, missing: list[str]) -> Any:
     """``root.a.b`` for ``"a.b"`` (a trailing ``()`` calls it); None when a section is unset
     (no speculative_config), and the path is added to ``missing`` when an attribute does not
     exist at all (an upstream rename must not read as "not configured" silently)."""
@@ -106,7 +107,7 @@ def _get(root: Any, path: str, missing: List[str]) -> Any:
     return obj
 
 
-def _positive(value: Any) -> Optional[int]:
+def _positive(value: Any) -> int | None:
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -204,8 +205,8 @@ class VllmPcieAllReduce:
         self.hidden_dim = settings.hidden or 0
         # vLLM reads and may set this (its PCIe warm-up sets it under dual-batch overlap).
         self.disabled = not self.ar.enabled
-        self._engine_declines: Dict[str, int] = collections.Counter()
-        self._fused_declines: Dict[str, int] = collections.Counter()
+        self._engine_declines: dict[str, int] = collections.Counter()
+        self._fused_declines: dict[str, int] = collections.Counter()
         self._fused_routed = 0
         self._collective_declines = common.CollectiveDeclines()
         self._destroyed = False
@@ -271,11 +272,11 @@ class VllmPcieAllReduce:
     # ------------------------------------------------------------------ reduce-scatter, all-gather
     # What the tp communicator's routed methods (route_collectives) ask. Each returns vLLM's
     # result, or None when the kernels do not take the call: vLLM's own method then runs it.
-    def collective_reason(self, x: Any, collective: str) -> Optional[str]:
+    def collective_reason(self, x: Any, collective: str) -> str | None:
         """Why the kernels do not run ``collective`` on ``x`` (its input), or None. A decline
         is counted in ``stats()["collectives"][collective]["declines"]``."""
         if (self.disabled or self._destroyed) and self.ar.enabled:
-            reason: Optional[str] = "disabled by vLLM"
+            reason: str | None = "disabled by vLLM"
         else:
             reason = self.ar.collective_decline_reason(x, collective)
         if reason is not None:
@@ -309,9 +310,7 @@ class VllmPcieAllReduce:
             self.ar.all_gather(input_), self.world_size, input_.size(), dim
         )
 
-    def try_all_gatherv(
-        self, input_: Any, dim: int = 0, sizes: Optional[Sequence[int]] = None
-    ) -> Any:
+    def try_all_gatherv(self, input_: Any, dim: int = 0, sizes: Sequence[int] | None = None) -> Any:
         """``CudaCommunicator.all_gatherv``: equal sizes (or none) only, one tensor or a list
         (all of it ours, or all of it vLLM's)."""
         if dim != 0:
@@ -331,7 +330,7 @@ class VllmPcieAllReduce:
         return outs[0] if single else outs
 
     def try_reduce_scatterv(
-        self, input_: Any, dim: int = -1, sizes: Optional[Sequence[int]] = None, output: Any = None
+        self, input_: Any, dim: int = -1, sizes: Sequence[int] | None = None, output: Any = None
     ) -> Any:
         """``CudaCommunicator.reduce_scatterv`` and ``reduce_scatterv_into_output``
         (``output`` given): equal sizes (or none) only."""
@@ -381,7 +380,7 @@ class VllmPcieAllReduce:
             self.ar.destroy()
 
     # ------------------------------------------------------------------ ours
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """PcieAllReduce.stats() with the declines that vLLM's own chain then ran added to
         ``declines`` (also totalled in ``engine_fallback``) and, for reduce-scatters and
         all-gathers, to ``collectives[c]["declines"]``, plus the sizing and warm-up."""
@@ -442,13 +441,13 @@ def install() -> bool:
     return True
 
 
-def group_name(communicator: Any) -> Optional[str]:
+def group_name(communicator: Any) -> str | None:
     """The name the group was created with: vLLM's unique name is ``<name>:<index>``."""
     unique = getattr(communicator, "unique_name", "") or ""
     return unique.rsplit(":", 1)[0] if unique else None
 
 
-def fill_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
+def fill_slot(communicator: Any) -> VllmPcieAllReduce | None:
     """Runs after vLLM's CudaCommunicator constructor: puts a VllmPcieAllReduce in the slot of
     the tp group's communicator (collective over that group, as vLLM's constructor is)."""
     name = group_name(communicator)
@@ -542,12 +541,12 @@ COLLECTIVE_ROUTES = (
 _ROUTED = "_pcie_allreduce_routed"  # set on a communicator instance once routed
 
 
-def _our_slot(communicator: Any) -> Optional[VllmPcieAllReduce]:
+def _our_slot(communicator: Any) -> VllmPcieAllReduce | None:
     slot = getattr(communicator, SLOT, None) if communicator is not None else None
     return slot if isinstance(slot, VllmPcieAllReduce) else None
 
 
-def route_collectives(communicator: Any) -> List[str]:
+def route_collectives(communicator: Any) -> list[str]:
     """Gives the tp communicator instance the routed versions of :data:`COLLECTIVE_ROUTES`
     (those its class has); returns their names. Idempotent."""
     import weakref
@@ -577,14 +576,14 @@ def route_collectives(communicator: Any) -> List[str]:
         out = slot.try_all_gather(input_, dim) if slot is not None else None
         return cls.all_gather(comm, input_, dim) if out is None else out
 
-    def reduce_scatterv(input_: Any, dim: int = -1, sizes: Optional[List[int]] = None) -> Any:
+    def reduce_scatterv(input_: Any, dim: int = -1, sizes: list[int] | None = None) -> Any:
         comm = ref()
         slot = _our_slot(comm)
         out = slot.try_reduce_scatterv(input_, dim, sizes) if slot is not None else None
         return cls.reduce_scatterv(comm, input_, dim, sizes) if out is None else out
 
     def reduce_scatterv_into_output(
-        input_: Any, output: Any, dim: int = -1, sizes: Optional[List[int]] = None
+        input_: Any, output: Any, dim: int = -1, sizes: list[int] | None = None
     ) -> Any:
         comm = ref()
         slot = _our_slot(comm)
@@ -599,7 +598,7 @@ def route_collectives(communicator: Any) -> List[str]:
             else out
         )
 
-    def all_gatherv(input_: Any, dim: int = 0, sizes: Optional[List[int]] = None) -> Any:
+    def all_gatherv(input_: Any, dim: int = 0, sizes: list[int] | None = None) -> Any:
         comm = ref()
         slot = _our_slot(comm)
         out = slot.try_all_gatherv(input_, dim, sizes) if slot is not None else None
@@ -837,7 +836,7 @@ def _norm_args(node: Any, *, with_residual: bool) -> Any:
     return (values["x"], values.get("x_residual"), values["weight"], values["epsilon"])
 
 
-def _group_of(node: Any) -> Optional[str]:
+def _group_of(node: Any) -> str | None:
     if len(node.args) > 1:
         return node.args[1]
     return node.kwargs.get("group_name")

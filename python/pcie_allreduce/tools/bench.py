@@ -10,7 +10,8 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from ..testing import DTYPES, RTOL, count_wrong, fused_float64, rank_input, refe
 from .ranks import GPU_TRANSPORTS, Rank, json_problem, run_ranks, set_up, transport_and_world
 
 
-def sizes_between(min_bytes: int, max_bytes: int, factor: int, elem: int) -> List[int]:
+def sizes_between(min_bytes: int, max_bytes: int, factor: int, elem: int) -> list[int]:
     """Message sizes in bytes: min, min*factor, ... up to max, each a multiple of 16 bytes."""
     out, size = [], max(16, min_bytes)
     while size <= max_bytes:
@@ -75,7 +76,7 @@ def _verify(r: Rank, x: torch.Tensor, dtype_name: str) -> int:
     return wrong
 
 
-def _seconds_per_call(r: Rank, fn: Callable[[], None], opts: Dict[str, Any]) -> float:
+def _seconds_per_call(r: Rank, fn: Callable[[], None], opts: dict[str, Any]) -> float:
     """fn's time per call, the slowest rank's, after warm-up (under graph replay with --graph)."""
     for _ in range(opts["warmup"]):
         fn()
@@ -90,7 +91,7 @@ def _seconds_per_call(r: Rank, fn: Callable[[], None], opts: Dict[str, Any]) -> 
     return _agree_max(_timed(fn, iters, r.sync), r.cpu_group) / per_call
 
 
-def _time_ours_and_fallback(r: Rank, x: torch.Tensor, opts: Dict[str, Any]) -> Tuple[float, float]:
+def _time_ours_and_fallback(r: Rank, x: torch.Tensor, opts: dict[str, Any]) -> tuple[float, float]:
     """Seconds per call of ours and of the group's own all-reduce, on the same input."""
     scratch = x.clone()
 
@@ -113,7 +114,7 @@ def _row(
     tactic: str,
     t_ours: float,
     t_fb: float,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     algbw = size / t_ours / 1e9
     return {
         "size": size,
@@ -129,7 +130,7 @@ def _row(
     }
 
 
-def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
     dtype_name = opts["dtype"]
     dtype = DTYPES[dtype_name]
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -154,7 +155,7 @@ def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) 
     _finish(r, rows, queue)
 
 
-def _finish(r: Rank, rows: List[Dict[str, Any]], queue: Any) -> None:
+def _finish(r: Rank, rows: list[dict[str, Any]], queue: Any) -> None:
     """Destroys the communicator and the group; rank 0 hands back its rows and stats."""
     stats = r.ar.stats()
     rank = r.ar.rank
@@ -172,7 +173,7 @@ def _fused_wrong(
     r: Rank,
     y: torch.Tensor,
     res_out: torch.Tensor,
-    xs: List[torch.Tensor],
+    xs: list[torch.Tensor],
     residual: torch.Tensor,
     weight: torch.Tensor,
     dtype_name: str,
@@ -192,7 +193,7 @@ def _fused_wrong(
     return max(wrong, 1) if len({int(b.item()) for b in all_bits}) != 1 else wrong
 
 
-def _fused_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+def _fused_worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
     dtype_name, hidden = opts["dtype"], opts["hidden"]
     dtype = DTYPES[dtype_name]
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -287,7 +288,7 @@ def _collective_wrong(
     return int((err > RTOL[dtype_name] * mag[mine] + 1e-6).sum().item())
 
 
-def _collective_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+def _collective_worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
     """Per message size (the reduce-scatter's input, the all-gather's output): ours, our
     all-reduce of the same message and the group's own collective, interleaved in rounds."""
     collective, dtype_name = opts["collective"], opts["dtype"]
@@ -355,7 +356,7 @@ def _collective_worker(rank: int, world: int, port: int, opts: Dict[str, Any], q
     _finish(r, rows, queue)
 
 
-def _format_collective_row(r: Dict[str, Any]) -> str:
+def _format_collective_row(r: dict[str, Any]) -> str:
     return (
         f"{r['size']:>10} {r['count']:>9} {r['type']:>5} {r['time_us']:>9.2f} "
         f"{r['all_reduce_us']:>9.2f} {r['fallback_us']:>9.2f} {r['over_all_reduce']:>8.2f}x "
@@ -382,7 +383,7 @@ def _print_collective_header(transport: str, world: int, dtype_name: str, collec
     )
 
 
-def _format_fused_row(r: Dict[str, Any]) -> str:
+def _format_fused_row(r: dict[str, Any]) -> str:
     return (
         f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['fused_us']:>9.2f} "
         f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
@@ -410,7 +411,7 @@ def _print_fused_header(transport: str, world: int, dtype_name: str, hidden: int
     )
 
 
-def _format_row(r: Dict[str, Any]) -> str:
+def _format_row(r: dict[str, Any]) -> str:
     return (
         f"{r['size']:>12} {r['count']:>10} {r['type']:>6} {r['time_us']:>10.2f} "
         f"{r['algbw']:>8.3f} {r['busbw']:>8.3f} {r['wrong']:>7} {r['fallback_us']:>12.2f} "
@@ -418,7 +419,7 @@ def _format_row(r: Dict[str, Any]) -> str:
     )
 
 
-def _arguments_problem(args: argparse.Namespace) -> Optional[str]:
+def _arguments_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the size range, --table or --json, found before any rank starts."""
     if args.min_bytes > args.max_bytes:
         return "--min-bytes exceeds --max-bytes"

@@ -8,8 +8,9 @@ import argparse
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ class Rank:
     sync: Callable[[], None]
 
 
-def set_up(rank: int, world: int, port: int, opts: Dict[str, Any], max_numel: int) -> Rank:
+def set_up(rank: int, world: int, port: int, opts: dict[str, Any], max_numel: int) -> Rank:
     """Joins the process group and builds the communicator for `max_numel` elements."""
     torch.set_num_threads(1)
     cuda = opts["transport"] in GPU_TRANSPORTS
@@ -71,7 +72,7 @@ def set_up(rank: int, world: int, port: int, opts: Dict[str, Any], max_numel: in
     return Rank(world, group, cpu_group, device, ar, sync)
 
 
-def transport_and_world(args: argparse.Namespace) -> Tuple[str, int, Optional[str]]:
+def transport_and_world(args: argparse.Namespace) -> tuple[str, int, str | None]:
     """(transport, world, why not): why not is None when this machine can run the request.
     The transport is host_shm or one of GPU_TRANSPORTS (auto: GPUs when there are two)."""
     try:
@@ -101,7 +102,7 @@ def transport_and_world(args: argparse.Namespace) -> Tuple[str, int, Optional[st
     return transport, world, None
 
 
-def json_problem(args: argparse.Namespace) -> Optional[str]:
+def json_problem(args: argparse.Namespace) -> str | None:
     """--json must name a file in a writable folder: found before the run, not after it."""
     if args.json:
         folder = os.path.dirname(os.path.abspath(args.json))
@@ -111,8 +112,8 @@ def json_problem(args: argparse.Namespace) -> Optional[str]:
 
 
 def run_ranks(
-    world: int, opts: Dict[str, Any], target: Callable[..., None]
-) -> Optional[Dict[str, Any]]:
+    world: int, opts: dict[str, Any], target: Callable[..., None]
+) -> dict[str, Any] | None:
     """Spawns the ranks; rank 0's result, or None (said on stderr) if any rank failed."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -10,19 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .. import plan as plan_mod
 from .. import policy
 from .. import topology as topo_mod
 from ..native import _C
 
-
 # The transports the cost model covers, and their column names.
 MODELLED = (("cuda_ipc", "p2p"), ("cuda_host", "host"))
 
 
-def _model(schedule: Any, nbytes: int) -> Dict[str, Any]:
+def _model(schedule: Any, nbytes: int) -> dict[str, Any]:
     out = {}
     for transport, _ in MODELLED:
         c = schedule.cost(nbytes, transport=transport)
@@ -41,7 +40,7 @@ def _model(schedule: Any, nbytes: int) -> Dict[str, Any]:
     return out
 
 
-def _summaries(world: int, island_of: List[int], nbytes: int) -> List[Dict[str, Any]]:
+def _summaries(world: int, island_of: list[int], nbytes: int) -> list[dict[str, Any]]:
     rows = []
     for algorithm in plan_mod.ALGORITHMS:
         why = _C.why_unsupported(algorithm, world, island_of)
@@ -96,7 +95,7 @@ def _describe_host(as_json: bool) -> int:
     return 0
 
 
-def _topo_report(topo: Any, nbytes: int) -> Dict[str, Any]:
+def _topo_report(topo: Any, nbytes: int) -> dict[str, Any]:
     island_of = policy.islands_for_table(topo)
     world = topo.world
     return {
@@ -110,7 +109,7 @@ def _topo_report(topo: Any, nbytes: int) -> Dict[str, Any]:
     }
 
 
-def _print_schedules(rows: List[Dict[str, Any]]) -> None:
+def _print_schedules(rows: list[dict[str, Any]]) -> None:
     """One line per schedule; the count columns are per call and CTA for the worst rank:
     system fences, waits polling a peer, local wait rounds, LL operands polled, fabric hops.
     The model columns, per transport: serial round trips on the critical path, the busiest
@@ -145,7 +144,7 @@ def _print_schedules(rows: List[Dict[str, Any]]) -> None:
     )
 
 
-def _print_topo(topo: Any, report: Dict[str, Any]) -> None:
+def _print_topo(topo: Any, report: dict[str, Any]) -> None:
     print(topo.describe())
     print(f"table key:   {report['table_key']}")
     print(f"fingerprint: {report['fingerprint']}")
@@ -163,7 +162,7 @@ def _print_topo(topo: Any, report: Dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    text: Optional[str] = None
+    text: str | None = None
     if args.nvidia_smi_topo:
         text = Path(args.nvidia_smi_topo).read_text()
     else:

@@ -8,7 +8,7 @@ import json
 import logging
 import platform
 import sys
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -17,7 +17,7 @@ from ..testing import DTYPES
 from .ranks import json_problem, run_ranks, set_up, transport_and_world
 
 
-def _tune_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: Any) -> None:
+def _tune_worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
     """One rank of `pcie-allreduce tune`: builds the communicator and tunes it."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     elem = min(DTYPES[d].itemsize for d in opts["dtypes"])  # room for max_bytes of each
@@ -44,7 +44,7 @@ def _tune_worker(rank: int, world: int, port: int, opts: Dict[str, Any], queue: 
     dist.destroy_process_group()
 
 
-def _tune_problem(args: argparse.Namespace) -> Optional[str]:
+def _tune_problem(args: argparse.Namespace) -> str | None:
     if args.max_bytes < 16:
         return f"--max-bytes must be at least 16, got {args.max_bytes}"
     if not 0 < args.budget < float("inf"):
@@ -52,7 +52,7 @@ def _tune_problem(args: argparse.Namespace) -> Optional[str]:
     return json_problem(args)
 
 
-def _print_tune(report: Dict[str, Any]) -> None:
+def _print_tune(report: dict[str, Any]) -> None:
     print(
         f"# {'dtype':>5} {'bytes':>9} {'bucket':>19}  {'incumbent':<36} {'us':>8}  "
         f"{'chosen':<36} {'us':>8} {'fallback':>9} {'noise%':>6} {'rounds':>6}"

@@ -20,9 +20,10 @@ import json
 import os
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any
 
 from .. import __version__, files
 from ..env import read_env
@@ -32,7 +33,7 @@ from ..policy import CACHE_FORMAT
 CACHE_MAGIC = "# pcie_allreduce tuning cache"
 
 
-def cache_path(fp: str, folder: Optional[Path] = None) -> Path:
+def cache_path(fp: str, folder: Path | None = None) -> Path:
     """The cache file of fingerprint ``fp`` in ``folder`` (default: this process's cache folder,
     ``Env.tuning_cache_dir()``)."""
     return (read_env().tuning_cache_dir() if folder is None else Path(folder)) / f"{fp}.csv"
@@ -44,9 +45,9 @@ class CacheRead:
     fingerprint; ``problem`` says why a file that exists was not used; both None: no file."""
 
     path: Path
-    text: Optional[str] = None
-    problem: Optional[str] = None
-    header: Optional[Dict[str, str]] = None
+    text: str | None = None
+    problem: str | None = None
+    header: dict[str, str] | None = None
 
 
 def _checksum(body: str) -> str:
@@ -75,7 +76,7 @@ def read_cache(path: Path, fp: str) -> CacheRead:
         return CacheRead(Path(path), problem="truncated (no checksum line at the end)")
     if trailer.split()[-1] != _checksum(body + "\n"):
         return CacheRead(Path(path), problem="corrupt (checksum does not match the contents)")
-    header: Dict[str, str] = {}
+    header: dict[str, str] = {}
     for line in body.splitlines():
         if line.startswith("# ") and ": " in line:
             key, _, value = line[2:].partition(": ")
@@ -141,7 +142,7 @@ class CacheLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path.with_name(path.name + ".lock")
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
 
     def try_acquire(self) -> bool:
         if self._fd is None:

@@ -4,7 +4,7 @@ than that noise. Pure functions of the gathered numbers, so every rank decides t
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 # A challenger must win by more than the noise, and by at least 5 % against a guess (the seed
 # or a given table) or 10 % against a measured choice (the cache): on a shared machine the
@@ -38,7 +38,7 @@ def ratio_and_error(challenger: Sequence[float], incumbent: Sequence[float]) -> 
 
 
 def keep_or_replace(
-    incumbent: Optional[str], samples: Mapping[str, Sequence[float]], min_margin: float = MIN_MARGIN
+    incumbent: str | None, samples: Mapping[str, Sequence[float]], min_margin: float = MIN_MARGIN
 ) -> tuple[str, float, float]:
     """(winner, challenger/incumbent time ratio, margin it had to beat). The incumbent stays
     unless the fastest challenger beats it by more than ``min_margin`` and by more than three

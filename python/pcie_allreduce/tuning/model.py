@@ -11,7 +11,8 @@ host measures them (docs/tuning.md).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from ..native import _C
 from ..plan import FLAG_IN_DATA
@@ -27,12 +28,12 @@ MAX_LL_BYTES = 256 * 1024
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def gpu_families() -> List[Tuple[str, str, List[int], str]]:
+def gpu_families() -> list[tuple[str, str, list[int], str]]:
     """The seed's GPU rows, in table order: (topology key, world column, the island map they are
     judged on, transport). Worlds 2 and 4 have their own rows; "*" is judged at world 8, the
     dearest, and holds for the worlds between."""
 
-    def halves(w: int) -> List[int]:
+    def halves(w: int) -> list[int]:
         return [0 if r < w // 2 else 1 for r in range(w)]
 
     return [
@@ -48,7 +49,7 @@ def gpu_families() -> List[Tuple[str, str, List[int], str]]:
     ]
 
 
-def launch_shape(protocol: str, nbytes: int) -> Tuple[int, int]:
+def launch_shape(protocol: str, nbytes: int) -> tuple[int, int]:
     """(blocks, threads) of a derived row: the model is per CTA and does not choose them. LL
     rows are decode-sized (8 CTAs); flag rows take 16 CTAs to 128 KiB, then 32 of 512."""
     if protocol in FLAG_IN_DATA:
@@ -56,9 +57,9 @@ def launch_shape(protocol: str, nbytes: int) -> Tuple[int, int]:
     return (16, 256) if nbytes <= 128 * 1024 else (32, 512)
 
 
-def buckets() -> List[Tuple[int, Optional[int], int]]:
+def buckets() -> list[tuple[int, int | None, int]]:
     """(min_bytes, max_bytes or None for open, the size the bucket is judged at)."""
-    out: List[Tuple[int, Optional[int], int]] = []
+    out: list[tuple[int, int | None, int]] = []
     lo, hi = 0, FIRST_EDGE
     while hi <= LAST_EDGE:
         judged = int(math.sqrt(max(lo, FIRST_EDGE // 2) * hi)) // 16 * 16
@@ -73,10 +74,10 @@ def rank_tactics(
     island_of: Sequence[int],
     transport: str,
     nbytes: int,
-    constants: Optional[Dict[str, float]] = None,
-    executor: Optional[Dict[str, Any]] = None,
+    constants: dict[str, float] | None = None,
+    executor: dict[str, Any] | None = None,
     collective: str = "all_reduce",
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """Every tactic the builders accept here (push only over P2P), fastest first by the model;
     a tie goes to the unstaged tactic (fewer fences), then to the plan layer's order. `nbytes`
     is the whole message (a reduce-scatter's input, an all-gather's output)."""
@@ -106,7 +107,7 @@ def rank_tactics(
     return rows
 
 
-def _tactic_columns(best: Dict[str, Any], judged: int, collective: str = "all_reduce") -> str:
+def _tactic_columns(best: dict[str, Any], judged: int, collective: str = "all_reduce") -> str:
     """Table columns 6.. of a derived row: the tactic and its launch shape (a reduce-scatter's
     or all-gather's algorithm named after its collective, ``reduce_scatter:twoshot``)."""
     blocks, threads = launch_shape(best["protocol"], judged)
@@ -120,13 +121,13 @@ def derive_rows(
     world: str,
     island_of: Sequence[int],
     transport: str,
-    constants: Optional[Dict[str, float]] = None,
-    executor: Optional[Dict[str, Any]] = None,
+    constants: dict[str, float] | None = None,
+    executor: dict[str, Any] | None = None,
     collective: str = "all_reduce",
-) -> List[str]:
+) -> list[str]:
     """The table rows of one topology key: adjacent buckets with the same best tactic and launch
     shape merge into one row."""
-    runs: List[List[Any]] = []  # [min_bytes, max_bytes or None, columns]
+    runs: list[list[Any]] = []  # [min_bytes, max_bytes or None, columns]
     for lo, hi, judged in buckets():
         best = rank_tactics(
             len(island_of), island_of, transport, judged, constants, executor, collective
@@ -142,11 +143,11 @@ def derive_rows(
 
 
 def derive_seed_rows(
-    constants: Optional[Dict[str, float]] = None, executor: Optional[Dict[str, Any]] = None
-) -> List[str]:
+    constants: dict[str, float] | None = None, executor: dict[str, Any] | None = None
+) -> list[str]:
     """Every GPU family's rows: the all-reduce's, then the reduce-scatter's and all-gather's
     (each collective judged by its own modelled cost, not derived from the all-reduce's)."""
-    rows: List[str] = []
+    rows: list[str] = []
     for key, world, island_of, transport in gpu_families():
         for collective in COLLECTIVES:
             rows.extend(

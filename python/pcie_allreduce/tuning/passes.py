@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 _nesting = threading.local()
 
@@ -22,6 +22,6 @@ def autotune_pass(name: str) -> Iterator[None]:
         _nesting.name = outer
 
 
-def current_pass() -> Optional[str]:
+def current_pass() -> str | None:
     """The autotune pass this thread is inside, or None."""
     return getattr(_nesting, "name", None)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ _FALLBACK_ROW = "fallback,,,,,"
 
 # Tests replace how a block of calls is timed, to drive the decision logic with known costs
 # and known noise: synthetic_timer(label, size_bytes) -> seconds per call. The calls still run.
-synthetic_timer: Optional[Any] = None
+synthetic_timer: Any | None = None
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,11 @@ class Candidate:
 
 def candidates(
     transport: str, world: int, island_of: Sequence[int], max_blocks: int
-) -> List[Candidate]:
+) -> list[Candidate]:
     """Every tactic the plan layer supports here, in every (blocks, threads) shape worth
     trying on this transport, then the fallback."""
     shapes = _HOST_SHAPES if transport == policy.HOST_SHM else _CUDA_SHAPES
-    out: List[Candidate] = []
+    out: list[Candidate] = []
     for algorithm in ALGORITHMS:
         for direction in ("push", "pull"):
             for staged in (False, True):
@@ -104,7 +105,7 @@ def columns_of_label(label: str) -> str:
     return f"{algorithm},{direction},{staged_flag},{blocks[1:]},{threads[1:]},{protocol}"
 
 
-def buckets(max_bytes: int, min_bytes: int = 1024) -> List[tuple[int, int, int]]:
+def buckets(max_bytes: int, min_bytes: int = 1024) -> list[tuple[int, int, int]]:
     """(lo, measured size, hi) per bucket: sizes 1 KiB, 2 KiB, ... up to ``max_bytes``; each
     bucket reaches halfway (geometrically) to its neighbours, the first from 0 and the last to
     no bound (hi = -1), boundaries on 16 bytes."""
@@ -161,7 +162,7 @@ class _Tuner:
     """One tune of one communicator: every rank runs the same candidates in the same order;
     every decision is computed from gathered numbers, and rank 0's table is the one kept."""
 
-    def __init__(self, ar: Any, budget_s: float, use: Callable[[Optional[str]], None]) -> None:
+    def __init__(self, ar: Any, budget_s: float, use: Callable[[str | None], None]) -> None:
         self.ar, self.use, self.budget_s = ar, use, budget_s
         self.cuda = ar.device.type == "cuda"
         # CUDA-graph replay is how engines run decode, so that is what is timed; the fallback
@@ -175,7 +176,7 @@ class _Tuner:
             config.transport, ar.world_size, config.island_of, config.max_blocks
         )
         self.measured = 0
-        self.excluded: List[Dict[str, Any]] = []
+        self.excluded: list[dict[str, Any]] = []
 
     def install(self, columns: str, dtype: str) -> None:
         self.use(f"*,*,{dtype},0,*,{columns}\n")
@@ -207,7 +208,7 @@ class _Tuner:
 
     def bucket(
         self, dtype: str, lo: int, size: int, hi: int, budget_s: float
-    ) -> Optional[Dict[str, Any]]:
+    ) -> dict[str, Any] | None:
         """Measures one size bucket; None when the communicator declines that size."""
         numel = size // DTYPES[dtype].itemsize
         x = _exact_input(self.ar.rank, numel, DTYPES[dtype]).to(self.ar.device)
@@ -251,10 +252,10 @@ class _Tuner:
             "measured": {label: stats[label][0] * 1e6 for label in stats},
         }
 
-    def _runnable(self, x: Any, dtype: str, incumbent: str) -> Dict[str, str]:
+    def _runnable(self, x: Any, dtype: str, incumbent: str) -> dict[str, str]:
         """label -> columns of every candidate the communicator can run at this size; the
         incumbent is always among them (it may use a shape the sweep does not try)."""
-        out: Dict[str, str] = {}
+        out: dict[str, str] = {}
         for c in self.candidates:
             self.install(c.columns, dtype)
             if self.ar.chosen_tactic(x) == c.label:
@@ -263,8 +264,8 @@ class _Tuner:
         return out
 
     def _correct(
-        self, contenders: Dict[str, str], dtype: str, call: Any, y: Any, expected: Any, size: int
-    ) -> Dict[str, str]:
+        self, contenders: dict[str, str], dtype: str, call: Any, y: Any, expected: Any, size: int
+    ) -> dict[str, str]:
         """Correctness first: a contender that gives a wrong sum on any rank is excluded, with
         a warning that names it."""
         mine = []
@@ -275,7 +276,7 @@ class _Tuner:
             self.sync()
             mine.append(bool(torch.equal(y.cpu(), expected)))
         everyone = self.ar.gather(mine, "tune: correctness")
-        ok: Dict[str, str] = {}
+        ok: dict[str, str] = {}
         for i, (label, columns) in enumerate(contenders.items()):
             wrong = [r for r, flags in enumerate(everyone) if not flags[i]]
             if wrong:
@@ -295,13 +296,13 @@ class _Tuner:
 
     def _rounds(
         self,
-        contenders: Dict[str, str],
+        contenders: dict[str, str],
         dtype: str,
         call: Any,
         budget_s: float,
         incumbent: str,
         size: int,
-    ) -> Dict[str, List[float]]:
+    ) -> dict[str, list[float]]:
         """Interleaved rounds (each contender timed once per round, in a rotating order). After
         the minimum rounds only the finalists (within 25 % of the best, and the incumbent) are
         timed, until each one's ratio to the incumbent is known to 1 % or the bucket's budget
@@ -318,7 +319,7 @@ class _Tuner:
         calls = {
             label: int(min(500, max(3, block / max(t, 1e-7)))) for label, t in zip(labels, slowest)
         }
-        samples: Dict[str, List[float]] = {label: [] for label in labels}
+        samples: dict[str, list[float]] = {label: [] for label in labels}
         active = list(labels)
         start = time.perf_counter()
         for round_no in range(_MAX_ROUNDS):
@@ -356,7 +357,7 @@ class _Tuner:
         return samples
 
 
-def _refusal(ar: Any) -> Optional[str]:
+def _refusal(ar: Any) -> str | None:
     """Why this rank must not tune now, or None."""
     if read_env().disable_autotune:
         return "PCIE_ALLREDUCE_DISABLE_AUTOTUNE=1"
@@ -375,8 +376,8 @@ def _refusal(ar: Any) -> Optional[str]:
 
 
 def _check_arguments(
-    ar: Any, dtypes: Optional[Sequence[str]], max_bytes: Optional[int], budget_s: float
-) -> List[str]:
+    ar: Any, dtypes: Sequence[str] | None, max_bytes: int | None, budget_s: float
+) -> list[str]:
     """The dtypes to tune; a bad argument raises on this rank before any exchange."""
     admitted = list(ar.config.dtypes)
     chosen = list(dtypes) if dtypes is not None else admitted
@@ -408,7 +409,7 @@ def _agree_to_tune(ar: Any) -> None:
         raise TuneRefused(f"pcie_allreduce tune refused on rank {rank}: {why}; measured nothing")
 
 
-def _lock_cache(ar: Any, path: Path, wait_s: float) -> Optional[cache.CacheLock]:
+def _lock_cache(ar: Any, path: Path, wait_s: float) -> cache.CacheLock | None:
     """Rank 0 takes the cache lock; every rank waits (bounded, in small steps, so no
     exchange outlives the timeout) while another tune of this host holds it."""
     lock = cache.CacheLock(path) if ar.rank == 0 else None
@@ -437,7 +438,7 @@ def _lock_cache(ar: Any, path: Path, wait_s: float) -> Optional[cache.CacheLock]
         time.sleep(0.2)
 
 
-def _rows(choices: List[Dict[str, Any]], key: str, world: int) -> str:
+def _rows(choices: list[dict[str, Any]], key: str, world: int) -> str:
     lines = [
         "topology,world,dtype,min_bytes,max_bytes,algorithm,direction,staged,blocks,"
         "threads,protocol,time_us,fallback_us,incumbent,incumbent_us,noise_pct"
@@ -471,12 +472,12 @@ def _tail(original_text: str, key: str, world: int, dtypes: Sequence[str]) -> st
 def tune(
     ar: Any,
     *,
-    dtypes: Optional[Sequence[str]] = None,
-    max_bytes: Optional[int] = None,
+    dtypes: Sequence[str] | None = None,
+    max_bytes: int | None = None,
     budget_s: float = 120.0,
     force: bool = False,
-    progress: Optional[bool] = None,
-) -> Dict[str, Any]:
+    progress: bool | None = None,
+) -> dict[str, Any]:
     """Measures this host and writes its cache (collective: call on every rank).
 
     ``dtypes`` defaults to every dtype the communicator admits: an admitted dtype left on the
@@ -522,11 +523,11 @@ def tune(
 def _measure(
     ar: Any,
     tuner: _Tuner,
-    dtypes: List[str],
-    max_bytes: Optional[int],
-    progress: Optional[bool],
+    dtypes: list[str],
+    max_bytes: int | None,
+    progress: bool | None,
     path: Path,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     plan = []
     for dtype in dtypes:
         top = ar.max_numel * DTYPES[dtype].itemsize
@@ -565,7 +566,7 @@ def _measure(
     }
 
 
-def _write_on_rank0(ar: Any, path: Path, text: str, measured: int) -> tuple[bool, Optional[str]]:
+def _write_on_rank0(ar: Any, path: Path, text: str, measured: int) -> tuple[bool, str | None]:
     problem = None
     if ar.rank == 0:
         try:

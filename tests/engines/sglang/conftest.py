@@ -10,7 +10,6 @@ import tempfile
 
 import pytest
 import torch.multiprocessing as mp
-
 from sglang_ranks import shm_entries
 
 # No test reads or writes the developer's tuning cache (~/.cache/pcie_allreduce): spawned ranks

@@ -17,8 +17,9 @@ import faulthandler
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import pytest
 
@@ -46,7 +47,7 @@ def shm_entries() -> set:
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(SHM_PREFIX)}
 
 
-LOGS: Optional[LogRecords] = None  # in a rank: its records so far
+LOGS: LogRecords | None = None  # in a rank: its records so far
 
 
 def _entry(
@@ -55,7 +56,7 @@ def _entry(
     init_file: str,
     fn: Callable[..., Any],
     args: tuple,
-    env: Dict[str, Optional[str]],
+    env: dict[str, str | None],
     out_dir: str,
 ) -> None:
     faulthandler.enable()  # a crash in a rank prints where it was
@@ -92,8 +93,8 @@ def run_ranks(
     fn: Callable[..., Any],
     *args: Any,
     world: int = 2,
-    env: Optional[Dict[str, Optional[str]]] = None,
-) -> List[Dict[str, Any]]:
+    env: dict[str, str | None] | None = None,
+) -> list[dict[str, Any]]:
     """fn(rank, world, *args) in `world` spawned processes joined by gloo; the test fails if a
     rank raises or hangs. Returns per rank {"value", "logs"}. ``env`` entries set to None are
     removed in the ranks."""
@@ -105,7 +106,7 @@ def run_ranks(
     return results
 
 
-def lines(results: List[Dict[str, Any]], needle: str) -> List[tuple]:
+def lines(results: list[dict[str, Any]], needle: str) -> list[tuple]:
     """(rank, level, message) of every log record on any rank that contains `needle`."""
     return [
         (r, level, msg)
@@ -123,7 +124,7 @@ def load_sglang_plugins() -> None:
     load_plugins()
 
 
-def make_group(rank: int, name: Optional[str] = "tp", group_ranks: Optional[list] = None):
+def make_group(rank: int, name: str | None = "tp", group_ranks: list | None = None):
     """A real SGLang GroupCoordinator over gloo (world 2 unless `group_ranks` says otherwise)."""
     from sglang.srt.distributed.parallel_state import init_model_parallel_group
 

@@ -9,7 +9,7 @@ exact concatenations (all-gather). Two spawned ranks, gloo, our host transport."
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -63,7 +63,7 @@ def _register_ops_for_cpu(ps: Any) -> None:
         sglang_lib.impl(name, getattr(ps, name).__wrapped__, "CPU")
 
 
-def _collectives(rank: int, world: int) -> Dict[str, Any]:
+def _collectives(rank: int, world: int) -> dict[str, Any]:
     import torch
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers import dp_attention
@@ -111,7 +111,7 @@ def _collectives(rank: int, world: int) -> Dict[str, Any]:
 
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         # Registered through SGLang's plugin loader, as pcie_allreduce's hooks.
         "hooks": [
             [
@@ -126,7 +126,7 @@ def _collectives(rank: int, world: int) -> Dict[str, Any]:
         ],
     }
 
-    def snapshot() -> Dict[str, Any]:
+    def snapshot() -> dict[str, Any]:
         s = slot.stats().get("collectives") or {}
         return {
             c: (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 
@@ -45,7 +45,7 @@ SIZING = {
 }
 
 
-def _sizing(rank: int, world: int) -> Dict[str, Any]:
+def _sizing(rank: int, world: int) -> dict[str, Any]:
     load_sglang_plugins()
     out = {}
     for case, (config, rows, explicit) in SIZING.items():
@@ -112,7 +112,7 @@ def test_workspace_sizing_from_sglangs_config_prepare_env_or_an_announced_guess(
             )
 
 
-def _sweep(slot: Any) -> List[str]:
+def _sweep(slot: Any) -> list[str]:
     import torch
 
     ar = slot.communicator
@@ -146,7 +146,7 @@ DETERMINISM = {
 DETERMINISM_FLAGS = ("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "SGLANG_USE_1STAGE_ALLREDUCE")
 
 
-def _determinism(rank: int, world: int) -> Dict[str, Any]:
+def _determinism(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     load_sglang_plugins()
@@ -199,7 +199,7 @@ def test_deterministic_inference_pins_oneshot_at_every_size_under_sglangs_preced
     assert "SGLANG_USE_1STAGE_ALLREDUCE=1" in value["1-stage all-reduce on alone"]["deterministic"]
 
 
-def _both_flags(rank: int, world: int) -> Dict[str, Any]:
+def _both_flags(rank: int, world: int) -> dict[str, Any]:
     from sglang.srt.distributed.device_communicators import pcie_ipc_ar
 
     destroyed = []
@@ -239,7 +239,7 @@ def test_with_sglangs_own_flag_too_exactly_one_backend_owns_the_slot_and_one_lin
     assert "deterministic inference keeps it off" in said[1][2]
 
 
-def _warm_up(rank: int, world: int, cache_dir: str) -> Dict[str, Any]:
+def _warm_up(rank: int, world: int, cache_dir: str) -> dict[str, Any]:
     from pcie_allreduce.integrations import common
 
     common.WARMUP_TUNE_BUDGET_S = 3.0  # the first start on a host measures this long

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -19,7 +19,7 @@ def _total_calls(slot: Any) -> int:
     return sum(slot.stats()["calls"].values())
 
 
-def _dispatch(rank: int, world: int) -> Dict[str, Any]:
+def _dispatch(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     from pcie_allreduce.testing import count_wrong, rank_input
@@ -28,7 +28,7 @@ def _dispatch(rank: int, world: int) -> Dict[str, Any]:
     tp = make_group(rank, "tp")
     slot = tp.pcie_ipc_comm
     slot.prepare(hidden=HIDDEN, max_rows=ROWS)  # as SGLang's runner calls it
-    out: Dict[str, Any] = {"max_numel": slot.max_numel}
+    out: dict[str, Any] = {"max_numel": slot.max_numel}
     resolve = tp._resolve_outplace_all_reduce_method
     admitted = {
         "bf16 1 row": torch.empty(1, HIDDEN, dtype=torch.bfloat16),
@@ -115,7 +115,7 @@ def test_sglang_dispatch_picks_our_slot_for_admitted_sizes_and_sums_correctly():
         assert not lines([r], "did not wait for every peer")  # the farewell found its peer
 
 
-def _capture(rank: int, world: int) -> Dict[str, Any]:
+def _capture(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     import pcie_allreduce.integrations.sglang as ours
@@ -126,7 +126,7 @@ def _capture(rank: int, world: int) -> Dict[str, Any]:
     tp = make_group(rank, "tp")
     slot = tp.pcie_ipc_comm
     x = torch.ones(2, HIDDEN, dtype=torch.bfloat16)
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     capturing["on"] = True  # a capture before prepare(): decline, build nothing inside it
     out["before_prepare"] = tp._resolve_outplace_all_reduce_method(x)
     out["built_in_capture"] = slot.communicator is not None
@@ -172,7 +172,7 @@ def test_capture_before_prepare_declines_and_after_prepare_is_bracketed():
     assert len(lines(results, "reached the slot before prepare()")) == 1  # rank 0, once
 
 
-def _lazy(rank: int, world: int) -> Dict[str, Any]:
+def _lazy(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     load_sglang_plugins()

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -62,7 +62,7 @@ def _sglang_tp(rank: int, world: int) -> Any:
     return tp
 
 
-def _fused(rank: int, world: int, enabled: bool) -> Dict[str, Any]:
+def _fused(rank: int, world: int, enabled: bool) -> dict[str, Any]:
     import torch
     from sglang.srt.layers.layer_boundary.fusions import allreduce as boundary_fusions
     from sglang.srt.layers.layer_boundary.residual import add_norm
@@ -72,7 +72,7 @@ def _fused(rank: int, world: int, enabled: bool) -> Dict[str, Any]:
     slot = tp.pcie_ipc_comm
     if enabled:
         slot.prepare(hidden=HIDDEN, max_rows=ROWS)  # as SGLang's runner calls it
-    out: Dict[str, Any] = {"slot": type(slot).__name__ if slot is not None else None}
+    out: dict[str, Any] = {"slot": type(slot).__name__ if slot is not None else None}
     gate = add_norm.flashinfer_ar_fusion_applies
     out["gate"] = [bool(gate(n)) for n in (0, 1, ROWS, ROWS + 1)]
     out["boundary_sees_same_gate"] = boundary_fusions.flashinfer_ar_fusion_applies is gate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -23,7 +23,7 @@ def _our_modules() -> list:
     )
 
 
-def _plugins_and_tp_group(rank: int, world: int) -> Dict[str, Any]:
+def _plugins_and_tp_group(rank: int, world: int) -> dict[str, Any]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     load_sglang_plugins()
@@ -64,7 +64,7 @@ def test_load_plugins_applies_our_hook_and_the_tp_group_gets_our_slot():
         assert (value["device"], value["rank"], value["world"]) == ("cpu", rank, 2)
 
 
-def _flag_off(rank: int, world: int) -> Dict[str, Any]:
+def _flag_off(rank: int, world: int) -> dict[str, Any]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     load_sglang_plugins()
@@ -129,7 +129,7 @@ def test_flag_off_leaves_sglangs_own_backend_in_the_slot():
 NEAR_MISSES = ["attention_tp", "moe_tp", "pdmux_prefill_tp", "tp_", "TP", None]
 
 
-def _near_misses(rank: int, world: int) -> Dict[str, Any]:
+def _near_misses(rank: int, world: int) -> dict[str, Any]:
     load_sglang_plugins()
     out = {}
     for name in NEAR_MISSES:
@@ -152,7 +152,7 @@ def test_near_miss_group_names_get_nothing():
         assert len(lines([r], "is not the tensor-parallel group")) == len(NEAR_MISSES)
 
 
-def _world_one(rank: int, world: int) -> Dict[str, Any]:
+def _world_one(rank: int, world: int) -> dict[str, Any]:
     load_sglang_plugins()
     alone = make_group(rank, "tp", group_ranks=[[0], [1]])
     out = {"alone_world": alone.world_size, "alone": alone.pcie_ipc_comm}

@@ -9,7 +9,6 @@ import shutil
 import tempfile
 
 import pytest
-
 import vllm_harness as h
 
 # No test reads or writes the developer's tuning cache; spawned ranks inherit this folder. Each

@@ -12,7 +12,7 @@ CudaCommunicator code up to that object."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -54,7 +54,7 @@ class GlooPyNccl:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.calls: Dict[str, int] = collections.Counter()
+        self.calls: dict[str, int] = collections.Counter()
 
     def reduce_scatter(self, output: Any, input_: Any, *args: Any, **kwargs: Any) -> None:
         import torch.distributed as dist
@@ -137,11 +137,11 @@ def _ag_exact(result: Any, world: int, shape: tuple, dtype: Any, seed: int, dim:
     return tuple(result.shape) == tuple(want.shape) and torch.equal(result, want)
 
 
-def _collectives(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
+def _collectives(rank: int, world: int, init_file: str, root: str) -> dict[str, Any]:
     logs = capture_logs()
     import torch
-    from vllm.distributed import parallel_state as ps
     from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     from pcie_allreduce.testing import rank_input
@@ -160,7 +160,7 @@ def _collectives(rank: int, world: int, init_file: str, root: str) -> Dict[str, 
     other_nccl = GlooPyNccl(other.device_communicator.device_group)
     other.device_communicator.pynccl_comm = other_nccl
 
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "routed": sorted(n for n in ROUTES if n in comm.__dict__),
         # The class is vLLM's as shipped; other groups' communicators are untouched.
         "class_methods": sorted(
@@ -177,7 +177,7 @@ def _collectives(rank: int, world: int, init_file: str, root: str) -> Dict[str, 
         "install_line": logs.matching("the slot also serves its"),
     }
 
-    def snapshot() -> Dict[str, Any]:
+    def snapshot() -> dict[str, Any]:
         s = adapter.stats().get("collectives") or {}
         return {
             c: (

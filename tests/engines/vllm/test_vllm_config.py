@@ -11,7 +11,6 @@ import types
 from importlib import metadata
 
 import pytest
-
 from vllm_harness import TINY_HIDDEN, make_config, tiny_model_dir
 
 from pcie_allreduce.integrations import vllm as vllm_adapter

@@ -4,7 +4,7 @@ post-grad pass slot, on real vLLM groups (2 spawned ranks, gloo, our host transp
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -32,7 +32,7 @@ def _reference(xs: Any, residual: Any, weight: Any, dtype: Any) -> Any:
     return fused_float64([x.to(dtype) for x in xs], residual.to(dtype), weight.to(dtype), EPS)
 
 
-def _graphs(tp_name: str, dtype: Any) -> Dict[str, Any]:
+def _graphs(tp_name: str, dtype: Any) -> dict[str, Any]:
     """make_fx graphs of the unfused pattern as vLLM's compiled models hold it."""
     import torch
     import vllm.ir.ops
@@ -61,7 +61,7 @@ def _targets(gm: Any) -> list:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def _fused_rank(rank: int, world: int, init_file: str, model_dir: str) -> Dict[str, Any]:
+def _fused_rank(rank: int, world: int, init_file: str, model_dir: str) -> dict[str, Any]:
     import torch
     from vllm.platforms import current_platform
 
@@ -71,7 +71,7 @@ def _fused_rank(rank: int, world: int, init_file: str, model_dir: str) -> Dict[s
     tp = h.init_vllm_groups(rank, world, init_file, config=config)
     slot = h.slot_of(tp)
     held = config.compilation_config.inductor_compile_config.get(current_platform.pass_key)
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "pass": type(held).__name__,
         "group": getattr(held, "group_name", None),
         "tp": tp.unique_name,
@@ -145,7 +145,7 @@ def test_the_pass_in_vllms_slot_rewrites_all_reduce_and_norm_into_our_fused_op(t
         assert v["kernel_fused_calls"] == 2
 
 
-def _flag_off_rank(rank: int, world: int, init_file: str, model_dir: str) -> Dict[str, Any]:
+def _flag_off_rank(rank: int, world: int, init_file: str, model_dir: str) -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     config = h.make_config(model_dir)

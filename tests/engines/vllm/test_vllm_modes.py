@@ -4,10 +4,9 @@ deterministic inference (VLLM_BATCH_INVARIANT: the pinned one-tactic table), and
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
-
 import vllm_harness
 from vllm_harness import (
     TINY_HIDDEN,
@@ -23,7 +22,7 @@ from vllm_harness import (
 UPSTREAM_FLAG = "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC"
 
 
-def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
+def _both_flags(rank: int, world: int, init_file: str, root: str) -> dict[str, Any]:
     logs = capture_logs()
     import os
     from pathlib import Path
@@ -49,7 +48,7 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
 
     theirs.__init__, theirs.destroy = init_spy, destroy_spy
 
-    def phase(tp: Any) -> Dict[str, Any]:
+    def phase(tp: Any) -> dict[str, Any]:
         adapter = slot_of(tp)
         ours = [(level, m) for level, m in logs.records if UPSTREAM_FLAG in m]
         return {
@@ -66,13 +65,13 @@ def _both_flags(rank: int, world: int, init_file: str, root: str) -> Dict[str, A
     # 1: both flags. vLLM builds its FlashInferPcieIpcAllReduce, we replace it.
     config = make_config(tiny_model_dir(root), graphs=True)
     tp = init_vllm_groups(rank, world, init_file, config=config)
-    out: Dict[str, Any] = {"both": phase(tp)}
+    out: dict[str, Any] = {"both": phase(tp)}
     # vLLM's kernel warm-up for its flag calls setup() on whatever holds the slot.
     adapter = slot_of(tp)
     prepared = []
     real_prepare = adapter.ar.prepare
 
-    def prepare_spy(hidden: Any = None, max_rows: Any = None) -> Dict[str, Any]:
+    def prepare_spy(hidden: Any = None, max_rows: Any = None) -> dict[str, Any]:
         prepared.append((hidden, max_rows))
         return real_prepare(hidden, max_rows)
 
@@ -165,7 +164,7 @@ def test_batch_invariant_mode_pins_one_oneshot_tactic_for_every_size(both_flags)
             assert "PCIE_ALLREDUCE_MAX_NUMEL=8192" in d["install_lines"][0]
 
 
-def _warm_up(rank: int, world: int, init_file: str, root: str, cache_dir: str) -> Dict[str, Any]:
+def _warm_up(rank: int, world: int, init_file: str, root: str, cache_dir: str) -> dict[str, Any]:
     import os
 
     from vllm.config import set_current_vllm_config
@@ -174,7 +173,7 @@ def _warm_up(rank: int, world: int, init_file: str, root: str, cache_dir: str) -
     from pcie_allreduce.integrations import common
 
     common.WARMUP_TUNE_BUDGET_S = 2.0  # instead of a minute on a host without a cache
-    phases: Dict[str, Any] = {}
+    phases: dict[str, Any] = {}
     for name, autotune in (("engine_autotune_off", False), ("first", True), ("second", True)):
         config = make_config(tiny_model_dir(root), flashinfer_autotune=autotune)
         if not phases:

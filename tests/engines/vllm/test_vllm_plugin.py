@@ -4,10 +4,9 @@ only vLLM's group named exactly "tp" with peers."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict
+from typing import Any
 
 import pytest
-
 from vllm_harness import (
     TINY_HIDDEN,
     capture_logs,
@@ -23,11 +22,11 @@ CUDA_COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cuda_communica
 WRAPPED = "_pcie_allreduce_original_init"
 
 
-def _flag_off(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
+def _flag_off(rank: int, world: int, init_file: str, root: str) -> dict[str, Any]:
     import torch
     import vllm.plugins
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     # vLLM's real discovery imports the entry-point module; then its hook runs.
     hooks = vllm.plugins.load_plugins_by_group(vllm.plugins.DEFAULT_PLUGINS_GROUP)
     out["hook"] = f"{hooks['pcie_allreduce'].__module__}.{hooks['pcie_allreduce'].__name__}"
@@ -75,8 +74,9 @@ def test_without_the_enable_flag_the_hook_imports_and_installs_nothing(tmp_path,
 
 @pytest.mark.parametrize("value", ["0", ""])
 def test_enable_0_or_empty_installs_nothing(value, monkeypatch):
-    from pcie_allreduce.integrations import vllm as adapter
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    from pcie_allreduce.integrations import vllm as adapter
 
     monkeypatch.setenv("PCIE_ALLREDUCE_ENABLE", value)
     adapter.register()
@@ -94,7 +94,7 @@ def test_a_bad_enable_value_fails_loudly_naming_the_flag(monkeypatch):
 NEAR_MISSES = ["attention_tp", "moe_tp", "tp_moe", "pdmux_prefill_tp", "TP", None, "tp:0"]
 
 
-def _eligibility(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
+def _eligibility(rank: int, world: int, init_file: str, root: str) -> dict[str, Any]:
     logs = capture_logs()
     import torch
     from vllm.config import set_current_vllm_config
@@ -103,7 +103,7 @@ def _eligibility(rank: int, world: int, init_file: str, root: str) -> Dict[str, 
 
     config = make_config(tiny_model_dir(root))
     tp = init_vllm_groups(rank, world, init_file, config=config)
-    out: Dict[str, Any] = {"tp": type(slot_of(tp)).__name__, "near_misses": {}}
+    out: dict[str, Any] = {"tp": type(slot_of(tp)).__name__, "near_misses": {}}
     with set_current_vllm_config(config):
         for name in NEAR_MISSES:
             g = ps.init_model_parallel_group([list(range(world))], rank, "gloo", group_name=name)

@@ -5,7 +5,7 @@ releases it while the groups live."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 from vllm_harness import (
     TINY_HIDDEN,
@@ -19,7 +19,7 @@ from vllm_harness import (
 )
 
 
-def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
+def _served(rank: int, world: int, init_file: str, root: str) -> dict[str, Any]:
     logs = capture_logs()
     import sys
 
@@ -38,7 +38,7 @@ def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
     tp = init_vllm_groups(rank, world, init_file, config=config, plugins=False)
     comm = tp.device_communicator
     adapter = slot_of(tp)
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "plugin_imported": sorted(
             m
             for m in imported
@@ -61,7 +61,7 @@ def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
     def calls() -> int:
         return sum(adapter.stats()["calls"].values())
 
-    def declines() -> Dict[str, int]:
+    def declines() -> dict[str, int]:
         return dict(adapter.stats()["declines"])
 
     # An admitted tensor: vLLM's tp_group.all_reduce -> CudaCommunicator.all_reduce -> slot.
@@ -115,7 +115,7 @@ def _served(rank: int, world: int, init_file: str, root: str) -> Dict[str, Any]:
     out["inside_sum_ok"] = bool((inside.float() == world * (world + 1) / 2).all())
 
     # vLLM's real destroy: CudaCommunicator.destroy releases the slot before the groups go.
-    seen: Dict[str, Any] = {}
+    seen: dict[str, Any] = {}
     release = adapter.ar.destroy
 
     def destroy_spy() -> None:

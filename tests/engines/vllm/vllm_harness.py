@@ -12,8 +12,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared spawner
 from spawned_ranks import LogRecords, fail_on_errors, report, spawn_ranks  # noqa: E402
@@ -49,7 +50,7 @@ FLAGS_UNDER_TEST = (
     "VLLM_PLUGINS",
 )
 
-SPAWNED_PIDS: List[int] = []  # every rank process run_ranks started in this session
+SPAWNED_PIDS: list[int] = []  # every rank process run_ranks started in this session
 
 
 def shm_entries() -> set[str]:
@@ -117,12 +118,12 @@ def register_tiny_model() -> None:
 
 
 def make_config(
-    model_dir: Optional[str] = None,
+    model_dir: str | None = None,
     *,
     max_num_seqs: int = 8,
-    speculative_tokens: Optional[int] = None,
+    speculative_tokens: int | None = None,
     graphs: bool = False,
-    flashinfer_autotune: Optional[bool] = None,
+    flashinfer_autotune: bool | None = None,
 ) -> Any:
     """A real, resolved VllmConfig. Without ``model_dir``: VllmConfig() (no model). ``graphs``:
     re-runs vLLM's own capture-size derivation as the CUDA platform would (the CPU platform
@@ -139,7 +140,7 @@ def make_config(
     if model_dir is None:
         return VllmConfig()
     register_tiny_model()
-    kwargs: Dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
     if speculative_tokens:
         kwargs["speculative_config"] = SpeculativeConfig(
             method="ngram",
@@ -252,7 +253,7 @@ def _entry(
     init_file: str,
     fn: Callable[..., Any],
     args: tuple,
-    env: Dict[str, str],
+    env: dict[str, str],
     out_dir: str,
 ) -> None:
     os.environ.update(VLLM_CPU_ENV)
@@ -264,7 +265,7 @@ def _entry(
 
 
 class RankResults(list):
-    def values(self) -> List[Any]:
+    def values(self) -> list[Any]:
         return [r["value"] for r in self]
 
 
@@ -272,7 +273,7 @@ def run_ranks(
     fn: Callable[..., Any],
     world: int,
     *args: Any,
-    env: Optional[Dict[str, str]] = None,
+    env: dict[str, str] | None = None,
     our_env: bool = True,
     timeout: float = 420.0,
 ) -> RankResults:

@@ -42,13 +42,13 @@ from .verdict import gpu_verdict, host_verdict, tactic_report, transport_mode, t
 
 
 def run(
-    system: System, *, p2p_test: bool = True, p2p_runner: Optional[P2PRunner] = None
-) -> Dict[str, Any]:
+    system: System, *, p2p_test: bool = True, p2p_runner: P2PRunner | None = None
+) -> dict[str, Any]:
     """The whole diagnosis as one JSON-ready dict: ``ok`` and ``verdict``, then the sections."""
     inv = gather_inventory(system)
     mode, mode_error = transport_mode(system.env)
     if inv is None:
-        p2p: Dict[str, Any] = {"status": "not_applicable"}
+        p2p: dict[str, Any] = {"status": "not_applicable"}
         transport = transport_report(None, p2p, mode, mode_error)
         table = table_report(system, inv)
         host = check_host_transport(system)

@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from ... import policy
 from .system import RunResult, System, probe_env, read_text
@@ -16,7 +16,7 @@ from .system import RunResult, System, probe_env, read_text
 HOST_TIMEOUT_S = 120.0  # the host-transport bench subprocess
 
 
-def host_bench_command(json_out: str) -> List[str]:
+def host_bench_command(json_out: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -39,9 +39,7 @@ def host_bench_command(json_out: str) -> List[str]:
     ]
 
 
-def interpret_host_run(
-    run: RunResult, bench_json: Optional[str], timeout_s: float
-) -> Dict[str, Any]:
+def interpret_host_run(run: RunResult, bench_json: str | None, timeout_s: float) -> dict[str, Any]:
     if run.timed_out:
         return {
             "status": "failed",
@@ -70,7 +68,7 @@ def interpret_host_run(
     }
 
 
-def check_host_transport(system: System, timeout_s: float = HOST_TIMEOUT_S) -> Dict[str, Any]:
+def check_host_transport(system: System, timeout_s: float = HOST_TIMEOUT_S) -> dict[str, Any]:
     recorded = system.recorded_host_transport()
     if recorded is not None:
         ok = bool(recorded.get("ok"))

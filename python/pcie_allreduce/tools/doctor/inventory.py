@@ -5,7 +5,7 @@ NVLink pair."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from ... import policy
 from ...native import _C
@@ -22,11 +22,11 @@ class RawInventory:
     """GPUs as a probe found them, before the topology text is parsed."""
 
     probe: str  # "nvml", "nvidia-smi", "torch"
-    names: List[str]
-    bus_ids: List[str]
+    names: list[str]
+    bus_ids: list[str]
     driver: str
-    topo_text: Optional[str]
-    problems: List[str] = field(default_factory=list)
+    topo_text: str | None
+    problems: list[str] = field(default_factory=list)
 
 
 def _text(value: Any) -> str:
@@ -60,7 +60,7 @@ def nvml_inventory(nvml: Any) -> RawInventory:
     return RawInventory("nvml", names, buses, driver, topo_text_from_classes(classes))
 
 
-def _nvlink_counts(nvml: Any, handles: List[Any], buses: List[str]) -> List[List[int]]:
+def _nvlink_counts(nvml: Any, handles: list[Any], buses: list[str]) -> list[list[int]]:
     """Active NVLinks between every GPU pair; GPUs that both reach an NVSwitch count as linked."""
     n = len(handles)
     index_of = {bus: i for i, bus in enumerate(buses)}
@@ -89,7 +89,7 @@ def _nvlink_counts(nvml: Any, handles: List[Any], buses: List[str]) -> List[List
     return [[max(counts[i][j], counts[j][i]) for j in range(n)] for i in range(n)]
 
 
-def topo_text_from_classes(classes: List[List[str]]) -> str:
+def topo_text_from_classes(classes: list[list[str]]) -> str:
     """A `nvidia-smi topo -m` matrix ("X" on the diagonal) that _C.Topology can parse."""
     n = len(classes)
     lines = ["\t" + "\t".join(f"GPU{i}" for i in range(n))]
@@ -98,7 +98,7 @@ def topo_text_from_classes(classes: List[List[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_query_gpu(text: str) -> Tuple[List[str], List[str], str]:
+def parse_query_gpu(text: str) -> tuple[list[str], list[str], str]:
     """(names, bus ids, driver) from `--query-gpu=index,name,pci.bus_id,driver_version`."""
     names, buses, drivers = [], [], []
     for line in text.splitlines():
@@ -111,7 +111,7 @@ def parse_query_gpu(text: str) -> Tuple[List[str], List[str], str]:
     return names, buses, (drivers[0] if drivers else "")
 
 
-def raw_inventory(system: System) -> Optional[RawInventory]:
+def raw_inventory(system: System) -> RawInventory | None:
     """NVML, else nvidia-smi, else torch's device count (no topology); None: no GPU at all."""
     nvml = system.nvml()
     if nvml is not None:
@@ -156,18 +156,18 @@ class Inventory:
     """The GPUs, their topology (None when it could not be read) and what went wrong."""
 
     probe: str
-    gpus: List[Dict[str, Any]]
+    gpus: list[dict[str, Any]]
     driver: str
-    topology: Optional[Any]
-    problems: List[str]
-    topology_error: Optional[str] = None  # `nvidia-smi topo -m` text that does not parse
+    topology: Any | None
+    problems: list[str]
+    topology_error: str | None = None  # `nvidia-smi topo -m` text that does not parse
 
     @property
     def count(self) -> int:
         return len(self.gpus)
 
     @property
-    def island_of(self) -> List[int]:
+    def island_of(self) -> list[int]:
         """The island map a communicator over all GPUs would use ([] when flat)."""
         return [] if self.topology is None else policy.islands_for_table(self.topology)
 
@@ -176,7 +176,7 @@ class Inventory:
         return self.topology.table_key() if self.topology is not None else "flat"
 
 
-def gather_inventory(system: System) -> Optional[Inventory]:
+def gather_inventory(system: System) -> Inventory | None:
     raw = raw_inventory(system)
     if raw is None:
         return None
@@ -200,9 +200,7 @@ def gather_inventory(system: System) -> Optional[Inventory]:
     return Inventory(raw.probe, gpus, raw.driver, topology, problems, topology_error)
 
 
-def _gpu_entry(
-    system: System, raw: RawInventory, topology: Optional[Any], i: int
-) -> Dict[str, Any]:
+def _gpu_entry(system: System, raw: RawInventory, topology: Any | None, i: int) -> dict[str, Any]:
     """Name, bus id and NUMA node (sysfs, else nvidia-smi's NUMA Affinity column)."""
     bus = raw.bus_ids[i] if i < len(raw.bus_ids) else None
     numa = system.numa_node(bus) if bus else None
@@ -212,7 +210,7 @@ def _gpu_entry(
     return {"index": i, "name": name, "bus_id": bus, "numa_node": numa}
 
 
-def topology_report(inv: Inventory) -> Dict[str, Any]:
+def topology_report(inv: Inventory) -> dict[str, Any]:
     topo = inv.topology
     if topo is None:
         return {"known": False}

@@ -3,7 +3,8 @@ be redirected through the root complex or blocked. Hints only, never fatal."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from .inventory import Inventory
 from .system import System
@@ -18,14 +19,14 @@ _ACS_HINT = (
 )
 
 
-def _acs_hint(inv: Optional[Inventory], failing: Sequence[Sequence[int]]) -> str:
+def _acs_hint(inv: Inventory | None, failing: Sequence[Sequence[int]]) -> str:
     topo = inv.topology if inv is not None else None
     switched = topo is not None and any(topo.link(s, d) in ("PIX", "PXB") for s, d in failing)
     where = "GPUs behind a PCIe switch fail peer writes" if switched else "peer writes fail"
     return f"{where}: {_ACS_HINT}"
 
 
-def _cmdline_params(cmdline: str) -> Dict[str, str]:
+def _cmdline_params(cmdline: str) -> dict[str, str]:
     params = {}
     for token in cmdline.split():
         key, _, value = token.partition("=")
@@ -33,7 +34,7 @@ def _cmdline_params(cmdline: str) -> Dict[str, str]:
     return params
 
 
-def iommu_mode(cmdline: Optional[str], group_types: Optional[List[str]]) -> Tuple[str, List[str]]:
+def iommu_mode(cmdline: str | None, group_types: list[str] | None) -> tuple[str, list[str]]:
     """("off" | "passthrough" | "translated" | "on" | "unknown", the cmdline flags seen)."""
     params = _cmdline_params(cmdline or "")
     flags = [
@@ -64,8 +65,8 @@ def iommu_mode(cmdline: Optional[str], group_types: Optional[List[str]]) -> Tupl
 
 
 def iommu_report(
-    system: System, inv: Optional[Inventory], failing: Sequence[Sequence[int]] = ()
-) -> Dict[str, Any]:
+    system: System, inv: Inventory | None, failing: Sequence[Sequence[int]] = ()
+) -> dict[str, Any]:
     """IOMMU mode and hints; ``failing``: the GPU pairs whose peer writes failed."""
     cmdline = system.kernel_cmdline()
     groups = system.iommu_groups()
@@ -80,7 +81,7 @@ def iommu_report(
         )
     if failing:
         hints.append(_acs_hint(inv, failing))
-    types: Dict[str, int] = {}
+    types: dict[str, int] = {}
     for t in groups or []:
         types[t or "unknown"] = types.get(t or "unknown", 0) + 1
     return {

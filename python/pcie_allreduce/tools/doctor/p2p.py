@@ -13,9 +13,10 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from ... import files, policy
 from .inventory import MAX_WORLD, Inventory
@@ -46,18 +47,18 @@ def p2p_cache_file(cache_dir: Path, inv: Inventory) -> Path:
     return cache_dir / f"p2p-{key}.json"
 
 
-def pair_list(world: int) -> List[Tuple[int, int]]:
+def pair_list(world: int) -> list[tuple[int, int]]:
     return [(s, d) for s in range(world) for d in range(world) if s != d]
 
 
-def parse_failing_pairs(reason: str) -> List[Tuple[int, int]]:
+def parse_failing_pairs(reason: str) -> list[tuple[int, int]]:
     """The ordered (writer, reader) pairs a ``no_p2p: ...`` disabled reason names."""
     return [(int(s), int(d)) for s, d in re.findall(r"rank (\d+) -> rank (\d+)", reason)]
 
 
 def p2p_outcome(
     world: int, failing: Sequence[Sequence[int]], detail: str = "", truncated: bool = False
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Per ordered pair: "ok", "failed", or "unverified" (the failure list was cut short)."""
     bad = {(int(s), int(d)) for s, d in failing}
     unknown = "unverified" if truncated else "ok"
@@ -75,7 +76,7 @@ def p2p_outcome(
     }
 
 
-def interpret_p2p_run(world: int, run: RunResult, timeout_s: float) -> Dict[str, Any]:
+def interpret_p2p_run(world: int, run: RunResult, timeout_s: float) -> dict[str, Any]:
     """A P2P subprocess's result: every pair ok, failing pairs, or why the test itself failed."""
     if run.timed_out:
         return _p2p_error(
@@ -109,11 +110,11 @@ def interpret_p2p_run(world: int, run: RunResult, timeout_s: float) -> Dict[str,
     }
 
 
-def _p2p_error(detail: str) -> Dict[str, Any]:
+def _p2p_error(detail: str) -> dict[str, Any]:
     return {"status": "error", "failing": [], "pairs": [], "detail": detail}
 
 
-def read_p2p_cache(path: Path, key_file: str) -> Optional[Dict[str, Any]]:
+def read_p2p_cache(path: Path, key_file: str) -> dict[str, Any] | None:
     try:
         cached = json.loads(files.read_small(path, in_cache=True))
     except (OSError, ValueError):  # missing, refused (files.Refused), or not JSON
@@ -125,7 +126,7 @@ def read_p2p_cache(path: Path, key_file: str) -> Optional[Dict[str, Any]]:
     return cached
 
 
-def write_p2p_cache(path: Path, result: Dict[str, Any]) -> None:
+def write_p2p_cache(path: Path, result: dict[str, Any]) -> None:
     """Caches a completed test (never a crash or timeout: those may be transient)."""
     record = {
         **result,
@@ -141,7 +142,7 @@ def write_p2p_cache(path: Path, result: Dict[str, Any]) -> None:
 P2PRunner = Callable[[int, float], RunResult]
 
 
-def p2p_probe_command(world: int, rank_timeout_s: float) -> List[str]:
+def p2p_probe_command(world: int, rank_timeout_s: float) -> list[str]:
     code = (
         "import sys; from pcie_allreduce.tools.doctor.p2p import p2p_probe_main; "
         "raise SystemExit(p2p_probe_main(int(sys.argv[1]), float(sys.argv[2])))"
@@ -154,9 +155,9 @@ def check_p2p(
     inv: Inventory,
     *,
     skip: bool,
-    runner: Optional[P2PRunner] = None,
+    runner: P2PRunner | None = None,
     timeout_s: float = P2P_TIMEOUT_S,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Recorded result (fixtures), else the cache, else a test in a subprocess (unless skip)."""
     world = min(inv.count, MAX_WORLD)
     if world < 2:
@@ -195,7 +196,7 @@ def check_p2p(
     return {**result, "source": "test", "cache_file": str(cache_file)}
 
 
-def _recorded_p2p(recorded: Dict[str, Any], world: int) -> Dict[str, Any]:
+def _recorded_p2p(recorded: dict[str, Any], world: int) -> dict[str, Any]:
     if recorded.get("error"):
         return _p2p_error(str(recorded["error"]))
     failing = recorded.get("failing", [])

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 from ... import policy
 from .verdict import pairs_text
 
 
-def _print_links(t: Dict[str, Any]) -> None:
+def _print_links(t: dict[str, Any]) -> None:
     links = t["links"]
     print(("        " + "".join(f"GPU{i:<4}" for i in range(len(links)))).rstrip())
     for i, row in enumerate(links):
@@ -18,7 +18,7 @@ def _print_links(t: Dict[str, Any]) -> None:
     print("  islands: " + " ".join("{" + ",".join(map(str, i)) + "}" for i in t["islands"]))
 
 
-def _print_gpus(report: Dict[str, Any]) -> None:
+def _print_gpus(report: dict[str, Any]) -> None:
     gpus = report["gpus"]
     print(f"GPUs ({gpus['probe']}, driver {gpus.get('driver') or 'unknown'})")
     for g in gpus["devices"]:
@@ -35,7 +35,7 @@ def _print_gpus(report: Dict[str, Any]) -> None:
     print(f"  table key: {t['table_key']}; island algorithms: {t['island_algorithms']}")
 
 
-def _print_p2p(p2p: Dict[str, Any]) -> None:
+def _print_p2p(p2p: dict[str, Any]) -> None:
     print("\nP2P write-and-verify")
     status = p2p.get("status")
     source = p2p.get("source", "")
@@ -50,13 +50,13 @@ def _print_p2p(p2p: Dict[str, Any]) -> None:
         print(f"  {status}: {p2p.get('detail', '')}")
 
 
-def _print_transport(transport: Dict[str, Any]) -> None:
+def _print_transport(transport: dict[str, Any]) -> None:
     print("\nTransport")
     mode = "" if transport["name"] == policy.HOST_SHM else f" (mode {transport['mode']})"
     print(f"  {transport['name']}{mode}: {transport['detail']}")
 
 
-def _print_iommu(iommu: Dict[str, Any]) -> None:
+def _print_iommu(iommu: dict[str, Any]) -> None:
     print("\nIOMMU / ACS")
     flags = " ".join(iommu["cmdline_flags"]) or "(no IOMMU flags)"
     print(f"  kernel command line: {flags if iommu['cmdline_read'] else 'unreadable'}")
@@ -70,7 +70,7 @@ def _print_iommu(iommu: Dict[str, Any]) -> None:
         print(f"  hint: {hint}")
 
 
-def _print_table(table: Dict[str, Any]) -> None:
+def _print_table(table: dict[str, Any]) -> None:
     print("\nTuning table")
     env_table = table["env_table"]
     if env_table is None:
@@ -93,14 +93,14 @@ def _print_table(table: Dict[str, Any]) -> None:
     print(f"  in use: {table['in_use']}")
 
 
-def _print_tactics(tactics: Dict[str, Any]) -> None:
+def _print_tactics(tactics: dict[str, Any]) -> None:
     print(f"\nTactics (world {tactics['world']})")
     print(f"  can run: {', '.join(tactics['available']) or 'none'}")
     for algorithm, why in tactics["unavailable"].items():
         print(f"  not {algorithm}: {why}")
 
 
-def print_text(report: Dict[str, Any]) -> None:
+def print_text(report: dict[str, Any]) -> None:
     print(f"pcie-allreduce doctor: {report['system']}\n")
     if report["gpus"]["count"]:
         _print_gpus(report)

@@ -11,9 +11,10 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 from ... import env as env_mod
 from ...topology import host_devices, run_nvidia_smi
@@ -36,7 +37,7 @@ class FixtureError(ValueError):
 class RunResult:
     """What a subprocess left behind: exit code (None when it was killed for the timeout)."""
 
-    returncode: Optional[int]
+    returncode: int | None
     output: str
     timed_out: bool = False
 
@@ -47,30 +48,30 @@ class System:
     label = "system"
     env: Mapping[str, str]  # the environment the doctor and its subprocesses see
 
-    def flags(self) -> Tuple[env_mod.Env, Dict[str, str]]:
+    def flags(self) -> tuple[env_mod.Env, dict[str, str]]:
         """This system's pcie_allreduce flags as a communicator would parse them, and the
         problem of each flag that does not parse (``env.read_flags``)."""
         return env_mod.read_flags(self.env)
 
-    def nvml(self) -> Optional[Any]:
+    def nvml(self) -> Any | None:
         """The NVML bindings (``pynvml``) when they import here; None otherwise."""
         return None
 
-    def nvidia_smi(self, args: Sequence[str]) -> Optional[str]:
+    def nvidia_smi(self, args: Sequence[str]) -> str | None:
         """stdout of ``nvidia-smi <args>``, or None when it is missing or fails."""
         raise NotImplementedError
 
-    def cuda_device_names(self) -> List[str]:
+    def cuda_device_names(self) -> list[str]:
         """The GPUs torch sees (the last resort when neither NVML nor nvidia-smi answers)."""
         return []
 
-    def numa_node(self, bus_id: str) -> Optional[int]:
+    def numa_node(self, bus_id: str) -> int | None:
         raise NotImplementedError
 
-    def kernel_cmdline(self) -> Optional[str]:
+    def kernel_cmdline(self) -> str | None:
         raise NotImplementedError
 
-    def iommu_groups(self) -> Optional[List[str]]:
+    def iommu_groups(self) -> list[str] | None:
         """One entry per IOMMU group: its domain type ("DMA", "identity", ...) or "" if
         unknown; None when the listing itself is unavailable."""
         raise NotImplementedError
@@ -83,14 +84,14 @@ class System:
         """A path named by the environment (PCIE_ALLREDUCE_TABLE)."""
         return Path(path).expanduser()
 
-    def host_devices(self) -> List[str]:
+    def host_devices(self) -> list[str]:
         raise NotImplementedError
 
-    def recorded_p2p(self) -> Optional[Dict[str, Any]]:
+    def recorded_p2p(self) -> dict[str, Any] | None:
         """A recorded P2P result (fixtures only); None: run the test."""
         return None
 
-    def recorded_host_transport(self) -> Optional[Dict[str, Any]]:
+    def recorded_host_transport(self) -> dict[str, Any] | None:
         return None
 
     def can_run_tests(self) -> bool:
@@ -101,7 +102,7 @@ class System:
         raise NotImplementedError
 
 
-def read_text(path: Path) -> Optional[str]:
+def read_text(path: Path) -> str | None:
     """A file's text, or None when it is missing, unreadable or not UTF-8."""
     try:
         return path.read_text()
@@ -114,40 +115,40 @@ class LiveSystem(System):
 
     label = "this machine"
 
-    def __init__(self, env: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self.env = env_mod.snapshot() if env is None else dict(env)
 
-    def nvml(self) -> Optional[Any]:
+    def nvml(self) -> Any | None:
         try:
             import pynvml  # type: ignore[import-not-found]
         except ImportError:
             return None
         return pynvml
 
-    def nvidia_smi(self, args: Sequence[str]) -> Optional[str]:
+    def nvidia_smi(self, args: Sequence[str]) -> str | None:
         return run_nvidia_smi(list(args))
 
-    def cuda_device_names(self) -> List[str]:
+    def cuda_device_names(self) -> list[str]:
         import torch
 
         if not torch.cuda.is_available():
             return []
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
-    def numa_node(self, bus_id: str) -> Optional[int]:
+    def numa_node(self, bus_id: str) -> int | None:
         return _int_or_none(read_text(Path("/sys/bus/pci/devices") / bus_id / "numa_node"))
 
-    def kernel_cmdline(self) -> Optional[str]:
+    def kernel_cmdline(self) -> str | None:
         return read_text(Path("/proc/cmdline"))
 
-    def iommu_groups(self) -> Optional[List[str]]:
+    def iommu_groups(self) -> list[str] | None:
         root = Path("/sys/kernel/iommu_groups")
         if not root.is_dir():
             return None
         groups = sorted(root.iterdir(), key=lambda p: p.name)
         return [(read_text(g / "type") or "").strip() for g in groups]
 
-    def host_devices(self) -> List[str]:
+    def host_devices(self) -> list[str]:
         return host_devices()
 
     def can_run_tests(self) -> bool:
@@ -207,7 +208,7 @@ class FixtureSystem(System):
         self.env = self._key_values("env")
         self._numa = self._numa_nodes()
 
-    def _text(self, name: str) -> Optional[str]:
+    def _text(self, name: str) -> str | None:
         path = self.root / name
         if not path.exists():
             return None
@@ -216,7 +217,7 @@ class FixtureSystem(System):
             raise FixtureError(f"fixture file {str(path)!r} is unreadable or not UTF-8")
         return text
 
-    def _json(self, name: str) -> Optional[Dict[str, Any]]:
+    def _json(self, name: str) -> dict[str, Any] | None:
         text = self._text(name)
         if text is None:
             return None
@@ -228,7 +229,7 @@ class FixtureSystem(System):
             raise FixtureError(f"fixture file {name}: expected a JSON object")
         return value
 
-    def _key_values(self, name: str) -> Dict[str, str]:
+    def _key_values(self, name: str) -> dict[str, str]:
         pairs = {}
         for line in (self._text(name) or "").splitlines():
             if line.strip() and not line.lstrip().startswith("#"):
@@ -238,7 +239,7 @@ class FixtureSystem(System):
                 pairs[key.strip()] = value.strip()
         return pairs
 
-    def _numa_nodes(self) -> Dict[str, int]:
+    def _numa_nodes(self) -> dict[str, int]:
         nodes = {}
         for line in (self._text("numa_nodes") or "").splitlines():
             words = line.split()
@@ -252,20 +253,20 @@ class FixtureSystem(System):
             nodes[sysfs_bus_id(words[0])] = node
         return nodes
 
-    def nvidia_smi(self, args: Sequence[str]) -> Optional[str]:
+    def nvidia_smi(self, args: Sequence[str]) -> str | None:
         if list(args) == ["topo", "-m"]:
             return self._text("nvidia_smi_topo.txt")
         if args and args[0].startswith("--query-gpu="):
             return self._text("query_gpu.csv")
         return None
 
-    def numa_node(self, bus_id: str) -> Optional[int]:
+    def numa_node(self, bus_id: str) -> int | None:
         return self._numa.get(sysfs_bus_id(bus_id))
 
-    def kernel_cmdline(self) -> Optional[str]:
+    def kernel_cmdline(self) -> str | None:
         return self._text("cmdline")
 
-    def iommu_groups(self) -> Optional[List[str]]:
+    def iommu_groups(self) -> list[str] | None:
         text = self._text("iommu_groups")
         if text is None:
             return None
@@ -283,18 +284,18 @@ class FixtureSystem(System):
     def resolve(self, path: str) -> Path:
         return self.root / Path(path).expanduser()  # an absolute path stays absolute
 
-    def host_devices(self) -> List[str]:
+    def host_devices(self) -> list[str]:
         listed = [ln.strip() for ln in (self._text("host_devices") or "").splitlines()]
         return [d for d in listed if d] or ["recorded host"]
 
-    def recorded_p2p(self) -> Optional[Dict[str, Any]]:
+    def recorded_p2p(self) -> dict[str, Any] | None:
         return self._json("p2p.json")
 
-    def recorded_host_transport(self) -> Optional[Dict[str, Any]]:
+    def recorded_host_transport(self) -> dict[str, Any] | None:
         return self._json("host_transport.json")
 
 
-def _int_or_none(text: Optional[str]) -> Optional[int]:
+def _int_or_none(text: str | None) -> int | None:
     try:
         return int(str(text).strip())
     except ValueError:
@@ -314,7 +315,7 @@ def sysfs_bus_id(bus_id: str) -> str:
     return bus_id.strip().lower()
 
 
-def probe_env(env: Mapping[str, str]) -> Dict[str, str]:
+def probe_env(env: Mapping[str, str]) -> dict[str, str]:
     """The test subprocesses see every GPU in nvidia-smi's (PCI bus) order, with the backend
     on and the embedded table, whatever this shell sets."""
     out = {k: v for k, v in env.items() if k not in _PROBE_ENV_DROP}

@@ -5,7 +5,7 @@ transport's caches per world size, else the embedded seed (``policy.table_reques
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -16,12 +16,12 @@ from .inventory import Inventory
 from .system import System
 
 
-def _env_table(system: System) -> Optional[Dict[str, Any]]:
+def _env_table(system: System) -> dict[str, Any] | None:
     request = policy.table_request(None, system.flags()[0].table)
     if request.path is None:
         return None
     path = system.resolve(request.path)
-    report: Dict[str, Any] = {"path": str(path), "ok": False}
+    report: dict[str, Any] = {"path": str(path), "ok": False}
     try:
         text = files.read_small(path, in_cache=False).decode("utf-8")
         table = _C.TuningTable.parse(text, str(path))
@@ -38,7 +38,7 @@ def _env_table(system: System) -> Optional[Dict[str, Any]]:
     return report
 
 
-def _cache_status(read: cache.CacheRead) -> Dict[str, Any]:
+def _cache_status(read: cache.CacheRead) -> dict[str, Any]:
     if read.text is not None:
         status = "valid"
     elif read.problem is None:
@@ -49,7 +49,7 @@ def _cache_status(read: cache.CacheRead) -> Dict[str, Any]:
         status = "refused"  # not a regular file of this user in a private folder (files.py)
     else:
         status = "corrupt"
-    out: Dict[str, Any] = {"path": str(read.path), "status": status}
+    out: dict[str, Any] = {"path": str(read.path), "status": status}
     if read.problem:
         out["problem"] = read.problem
     return out
@@ -72,7 +72,7 @@ def fingerprint_links(inv: Inventory) -> str:
 
 def gpu_cache_report(
     system: System, inv: Inventory, transport: str = policy.CUDA_IPC
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """This host's cache file for ``transport`` (cuda_ipc or cuda_host), as the communicator's
     rank 0 reads it."""
     key = policy.table_key(transport, inv.table_key)
@@ -90,7 +90,7 @@ def gpu_cache_report(
     return {"fingerprint": fp, **_cache_status(cache.read_cache(path, fp))}
 
 
-def host_cache_reports(system: System) -> List[Dict[str, Any]]:
+def host_cache_reports(system: System) -> list[dict[str, Any]]:
     """Every host-transport cache file, checked against this host's fingerprint for its world."""
     out = []
     devices = system.host_devices()
@@ -107,13 +107,13 @@ def host_cache_reports(system: System) -> List[Dict[str, Any]]:
 
 
 def table_report(
-    system: System, inv: Optional[Inventory], transport: str = policy.CUDA_IPC
-) -> Dict[str, Any]:
+    system: System, inv: Inventory | None, transport: str = policy.CUDA_IPC
+) -> dict[str, Any]:
     """Which table a communicator would use: PCIE_ALLREDUCE_TABLE, this host's cache (for the
     GPUs: the cache of ``transport``, the one the communicator would run), or the embedded seed
     table."""
     seed = _C.TuningTable.parse(_C.TuningTable.embedded_text(), "embedded")
-    report: Dict[str, Any] = {
+    report: dict[str, Any] = {
         "cache_dir": str(system.cache_dir()),
         "env_table": _env_table(system),
         "embedded_rows": len(seed),

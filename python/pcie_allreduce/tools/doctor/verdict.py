@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ... import env as env_mod
 from ... import plan as plan_mod
@@ -14,7 +15,7 @@ _P2P_ONLY = f"PCIE_ALLREDUCE_TRANSPORT={policy.CUDA_IPC}"
 _HOSTMEM_COST = "slower per call than P2P (every flag poll is a PCIe round trip to host memory)"
 
 
-def tactic_report(world: int, island_of: List[int]) -> Dict[str, Any]:
+def tactic_report(world: int, island_of: list[int]) -> dict[str, Any]:
     available, unavailable = [], {}
     for algorithm in plan_mod.ALGORITHMS:
         why = _C.why_unsupported(algorithm, world, island_of)
@@ -30,12 +31,12 @@ def pairs_text(pairs: Sequence[Sequence[int]]) -> str:
     return ", ".join(f"GPU{s} -> GPU{d}" for s, d in pairs)
 
 
-def _failing_text(p2p: Dict[str, Any]) -> str:
+def _failing_text(p2p: dict[str, Any]) -> str:
     more = " (and possibly more: the list is cut at 8)" if p2p.get("truncated") else ""
     return f"{pairs_text(p2p['failing'])}{more}"
 
 
-def transport_mode(env: Mapping[str, str]) -> Tuple[str, Optional[str]]:
+def transport_mode(env: Mapping[str, str]) -> tuple[str, str | None]:
     """(PCIE_ALLREDUCE_TRANSPORT of ``env`` as the communicator parses it, the error when it
     does not parse: then every communicator raises at construction)."""
     flags, problems = env_mod.read_flags(env)
@@ -43,11 +44,11 @@ def transport_mode(env: Mapping[str, str]) -> Tuple[str, Optional[str]]:
 
 
 def transport_report(
-    inv: Optional[Inventory],
-    p2p: Dict[str, Any],
+    inv: Inventory | None,
+    p2p: dict[str, Any],
     mode: str = policy.AUTO,
-    error: Optional[str] = None,
-) -> Dict[str, Any]:
+    error: str | None = None,
+) -> dict[str, Any]:
     """The transport a communicator over these GPUs would run, as ``stats()["transport"]``
     names it (cuda_ipc, cuda_host, or host_shm without GPUs); ``mode`` is
     PCIE_ALLREDUCE_TRANSPORT (auto, cuda_ipc or cuda_host)."""
@@ -112,8 +113,8 @@ def transport_report(
 
 
 def gpu_declines(
-    inv: Inventory, p2p: Dict[str, Any], mode: str = policy.AUTO
-) -> List[Dict[str, str]]:
+    inv: Inventory, p2p: dict[str, Any], mode: str = policy.AUTO
+) -> list[dict[str, str]]:
     """Why a communicator over these GPUs would turn itself off (or could not be trusted).
     Failing P2P pairs are a decline only with ``mode`` cuda_ipc: otherwise the communicator
     runs over host memory (cuda_host)."""
@@ -159,7 +160,7 @@ def gpu_declines(
     return out
 
 
-def _p2p_phrase(p2p: Dict[str, Any]) -> str:
+def _p2p_phrase(p2p: dict[str, Any]) -> str:
     status = p2p.get("status")
     if status == "ok":
         source = {"cached": " (cached)", "recorded": " (recorded)"}.get(p2p.get("source"), "")
@@ -169,7 +170,7 @@ def _p2p_phrase(p2p: Dict[str, Any]) -> str:
     return "P2P not tested (each communicator still checks it when it is constructed)"
 
 
-def _transport_phrase(p2p: Dict[str, Any], transport: Dict[str, Any]) -> str:
+def _transport_phrase(p2p: dict[str, Any], transport: dict[str, Any]) -> str:
     """What follows the tactics in a "can run" verdict on host memory."""
     if transport["mode"] == policy.CUDA_HOST:
         line = (
@@ -190,11 +191,11 @@ def _transport_phrase(p2p: Dict[str, Any], transport: Dict[str, Any]) -> str:
 
 def gpu_verdict(
     inv: Inventory,
-    p2p: Dict[str, Any],
-    table: Dict[str, Any],
-    tactics: Dict[str, Any],
-    transport: Optional[Dict[str, Any]] = None,
-) -> Tuple[bool, str, List[Dict[str, str]]]:
+    p2p: dict[str, Any],
+    table: dict[str, Any],
+    tactics: dict[str, Any],
+    transport: dict[str, Any] | None = None,
+) -> tuple[bool, str, list[dict[str, str]]]:
     """(ok, verdict, declines); ``transport``: transport_report() (default: auto mode)."""
     if transport is None:
         transport = transport_report(inv, p2p)
@@ -252,8 +253,8 @@ def gpu_verdict(
 
 
 def host_verdict(
-    host: Dict[str, Any], table: Dict[str, Any], transport_error: Optional[str] = None
-) -> Tuple[bool, str]:
+    host: dict[str, Any], table: dict[str, Any], transport_error: str | None = None
+) -> tuple[bool, str]:
     if transport_error is not None:
         return False, (
             f"no GPU found; the host transport cannot start: {transport_error} "
