@@ -189,7 +189,7 @@ class Bootstrap:
                 try:
                     sends[p] = dist.isend(payload, self._global(p), self.group, _TAGS[kind])
                 except RuntimeError as error:  # gloo: the connection to a dead peer is closed
-                    raise self._error([p], step, f"its connection is closed ({error})")
+                    raise self._error([p], step, f"its connection is closed ({error})") from error
 
         def run(peer: int) -> None:
             if peer in into:

@@ -175,7 +175,14 @@ class PcieAllReduce:
         construction) is smaller than that, in which case the larger messages go to the
         fallback. Returns ``{"max_numel", "programs", "rows_covered"}``."""
         rows = policy.rows_covered(self.max_numel, hidden, max_rows)
-        if rows is not None and rows < max_rows and self.rank == 0 and self.enabled:
+        # rows_covered gives rows only when given both hidden and max_rows.
+        if (
+            rows is not None
+            and max_rows is not None
+            and rows < max_rows
+            and self.rank == 0
+            and self.enabled
+        ):
             logger.warning(
                 "pcie_allreduce: the workspace holds %d elements = %d rows of %d; batches of "
                 "%d..%d rows go to the fallback (size it with max_numel or "

@@ -376,8 +376,8 @@ class Builder:
         comm.retire_token()
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
-            r, error = failed[0]
-            return f"rank {r} cannot map its peers' workspaces ({error})"
+            r, reason = failed[0]
+            return f"rank {r} cannot map its peers' workspaces ({reason})"
         broken = self.broken_pairs(comm)
         if broken:
             pairs = ", ".join(f"rank {s} -> rank {d}" for s, d in broken[:8])

@@ -12,10 +12,16 @@ the extension nor torch. Every module that needs the extension imports ``_C`` fr
 from __future__ import annotations
 
 import importlib
+from typing import Any, TypeAlias
 
 import torch
 
 _C = importlib.import_module("pcie_allreduce._C")
+
+# The extension's classes, for annotations. It ships no type stub, so to mypy they are Any, as
+# every attribute of _C is; the names still say which class a value is.
+Topology: TypeAlias = Any
+Schedule: TypeAlias = Any
 
 
 @torch.library.register_fake("pcie_allreduce::all_reduce")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .native import _C
+from .native import _C, Schedule
 
 ALGORITHMS = tuple(_C.algorithms())
 PROTOCOLS = tuple(_C.protocols())
@@ -46,7 +46,7 @@ def build(
     staged: bool = True,
     protocol: str = "flag",
     collective: str = "all_reduce",
-) -> _C.Schedule:
+) -> Schedule:
     """A schedule for `algorithm` on `world` ranks; ValueError says why one cannot be built.
 
     protocol="ll" builds the flag-in-data variant (push, unstaged): no fences, no flag words,

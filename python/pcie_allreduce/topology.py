@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import policy
-from .native import _C
+from .native import _C, Topology
 
 
 def run_nvidia_smi(args: list[str]) -> str | None:
@@ -61,7 +61,7 @@ def _norm_bus(bus_id: str) -> str:
     return bus_id.strip().lower().split(":", 1)[-1] if bus_id.count(":") == 2 else bus_id.lower()
 
 
-def probe() -> _C.Topology | None:
+def probe() -> Topology | None:
     """This host's GPU topology from nvidia-smi, or None without GPUs or nvidia-smi."""
     text = nvidia_smi_topo_text()
     if text is None:

@@ -157,7 +157,6 @@ def _declines(rank, world):
 
     reasons = {}
     with PcieAllReduce(None, "cpu", max_numel=1024, dtypes=("bf16", "fp32")) as ar:
-        base = rank_input(rank, 2048, torch.float32)
         cases = {
             "dtype": rank_input(rank, 64, torch.float16),
             "dtype64": rank_input(rank, 64, torch.float64),

@@ -7,8 +7,9 @@ delivery loads once for every destination, nothing spills.
     ... [--order-archs 86,89,90,100,120]    # where (a) fails the check; elsewhere it is reported
 
 DIR is where .ci/setup unpacked the PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm
-(the script finds bin/cuobjdump below it). --object may be repeated; an argument holding a ;-separated
-list (as CMake's $<TARGET_OBJECTS> gives it) keeps only the objects named launch.cu*. Every architecture in the object is checked. --compile builds
+(the script finds bin/cuobjdump below it). --object may be repeated; an argument holding a
+;-separated list (as CMake's $<TARGET_OBJECTS> gives it) keeps only the objects named launch.cu*.
+Every architecture in the object is checked. --compile builds
 csrc/transport/executors/cuda/launch.cu (of --csrc, default this tree's) for each --arch instead.
 Python 3 standard library only. Exit 0: every check passed; 1: a check failed; 2: nothing to
 check (a missing tool or object, or a push kernel in which the heuristic below finds no LL or
@@ -61,7 +62,8 @@ with the empty word.
 The heuristic for (d): an innermost loop is the code between a backward branch and its target
 with no other backward branch inside. Its fan-out is the number of its 16-byte global stores
 (the two halves of an LL payload, at o and o + 0x10 of one base register, count once), divided
-by the number of its 16-byte global loads (an unrolled loop has as many of each per iteration). Per push kernel, the widest fan-out of loops storing
+by the number of its 16-byte global loads (an unrolled loop has as many of each per iteration).
+Per push kernel, the widest fan-out of loops storing
 plain (st.global.cg) and of loops storing volatile (LL, lamport) must both reach 7. A loop that
 re-loads its source per destination, as the executor did before item 2, has a fan-out of 1.
 
@@ -293,7 +295,8 @@ def backward_target(i: Insn) -> int | None:
 
 
 def fanouts(insns: list[Insn]) -> dict[str, int]:
-    """The widest fan-out of the innermost loops, by the kind of store: {'plain': w, 'volatile': w}."""
+    """The widest fan-out of the innermost loops, by the kind of store:
+    {'plain': w, 'volatile': w}."""
     branches = [(backward_target(i), i.addr) for i in insns]
     loops = [(t, a) for t, a in branches if t is not None]
     widest = {"plain": 0, "volatile": 0}

@@ -478,7 +478,8 @@ class SglangPcieAllReduce:
                 return False
             if not self._build(int(inp.shape[-1]) if inp.dim() else None, None):
                 return False
-            self._ar.prepare()
+            ar: Any = self._ar  # _build made it; mypy keeps the None narrowed above
+            ar.prepare()
         self._bracket_capture(capturing)
         reason = self._ar.decline_reason(inp)
         if reason is not None:

@@ -41,7 +41,7 @@ import contextlib
 import functools
 import logging
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -749,10 +749,15 @@ def fusion_pass_class() -> Any:
 
 class FusedAddRmsNormRewrite:
     """A vLLM post-grad pass (as ``fusion_pass_class()``): every ``vllm.all_reduce(x,
-    group_name)`` over our group whose result only feeds ``vllm_ir.fused_add_rms_norm(sum, residual, weight, eps)`` becomes one
+    group_name)`` over our group whose result only feeds
+    ``vllm_ir.fused_add_rms_norm(sum, residual, weight, eps)`` becomes one
     :data:`FUSED_OP` node (same outputs); ``vllm_ir.rms_norm(sum, weight, eps)`` becomes the
     op with a zero residual (its ``residual_out`` is the sum, for the sum's other users).
     Only weights of the input's dtype and no ``variance_size`` (what our op computes)."""
+
+    # Given by vLLM's InductorPass, the other base of fusion_pass_class().
+    hash_dict: Callable[[Any], Any]
+    hash_source: Callable[..., Any]
 
     def __init__(self, group_name: str) -> None:
         self.group_name = group_name

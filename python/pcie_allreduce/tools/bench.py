@@ -23,7 +23,8 @@ from .ranks import GPU_TRANSPORTS, Rank, json_problem, run_ranks, set_up, transp
 
 def sizes_between(min_bytes: int, max_bytes: int, factor: int, elem: int) -> list[int]:
     """Message sizes in bytes: min, min*factor, ... up to max, each a multiple of 16 bytes."""
-    out, size = [], max(16, min_bytes)
+    out: list[int] = []
+    size = max(16, min_bytes)
     while size <= max_bytes:
         rounded = max(16, size // 16 * 16)
         if rounded % elem == 0 and (not out or rounded != out[-1]):
@@ -232,7 +233,7 @@ def _fused_worker(rank: int, world: int, port: int, opts: dict[str, Any], queue:
             torch.nn.functional.rms_norm(scratch + residual, (hidden,), weight, _EPS)
 
         # Interleaved, in rounds: a slow phase of the machine hits every variant alike.
-        times = {k: [] for k in ("fused", "plain", "unfused", "fallback")}
+        times: dict[str, list[float]] = {k: [] for k in ("fused", "plain", "unfused", "fallback")}
         for _ in range(opts["rounds"]):
             for name, fn in (
                 ("fused", fused),
@@ -332,7 +333,7 @@ def _collective_worker(rank: int, world: int, port: int, opts: dict[str, Any], q
             else:
                 _ALL_GATHER(fb_out, x, group=r.group)
 
-        times = {k: [] for k in ("ours", "all_reduce", "fallback")}
+        times: dict[str, list[float]] = {k: [] for k in ("ours", "all_reduce", "fallback")}
         for _ in range(opts["rounds"]):
             for name, fn in (("ours", ours), ("all_reduce", all_reduce), ("fallback", fallback)):
                 times[name].append(_seconds_per_call(r, fn, opts))

@@ -269,7 +269,7 @@ class _Tuner:
         """Correctness first: a contender that gives a wrong sum on any rank is excluded, with
         a warning that names it."""
         mine = []
-        for label, columns in contenders.items():
+        for columns in contenders.values():
             self.install(columns, dtype)
             y.fill_(0)
             call()
@@ -306,7 +306,8 @@ class _Tuner:
         """Interleaved rounds (each contender timed once per round, in a rotating order). After
         the minimum rounds only the finalists (within 25 % of the best, and the incumbent) are
         timed, until each one's ratio to the incumbent is known to 1 % or the bucket's budget
-        is spent (then after _FLOOR_ROUNDS at least, even short of the minimum). Every rank computes the same stop from the same gathered numbers."""
+        is spent (then after _FLOOR_ROUNDS at least, even short of the minimum). Every rank
+        computes the same stop from the same gathered numbers."""
         labels = list(contenders)
         probe = []
         for label in labels:

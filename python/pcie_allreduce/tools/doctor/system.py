@@ -120,7 +120,7 @@ class LiveSystem(System):
 
     def nvml(self) -> Any | None:
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
         except ImportError:
             return None
         return pynvml

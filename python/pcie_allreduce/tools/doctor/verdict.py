@@ -163,7 +163,7 @@ def gpu_declines(
 def _p2p_phrase(p2p: dict[str, Any]) -> str:
     status = p2p.get("status")
     if status == "ok":
-        source = {"cached": " (cached)", "recorded": " (recorded)"}.get(p2p.get("source"), "")
+        source = {"cached": " (cached)", "recorded": " (recorded)"}.get(p2p.get("source", ""), "")
         return f"P2P verified on {len(p2p['pairs'])} pairs{source}"
     if status == "inconclusive":
         return f"P2P inconclusive ({p2p['detail']})"
