@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "cpp" / "data"
+DATA = Path(__file__).resolve().parents[2] / "cpp" / "data"
 
 
 def run_cli(*args, timeout=600):
@@ -160,7 +160,7 @@ def test_tune_refusals_and_bad_arguments_exit_2_saying_why(tmp_path):
 
 
 def test_doctor_gives_a_verdict_here_and_on_a_recorded_nvlink_host():
-    fixtures = Path(__file__).resolve().parent / "fixtures" / "doctor"
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
     here = run_cli("doctor", "--json")
     report = json.loads(here.stdout)
     assert here.returncode == (0 if report["ok"] else 1) and isinstance(report["verdict"], str)

@@ -60,7 +60,7 @@ def test_the_runtime_imports_no_tool_at_module_level():
     import ast
     from pathlib import Path
 
-    package = Path(__file__).resolve().parents[2] / "python" / "pcie_allreduce"
+    package = Path(__file__).resolve().parents[3] / "python" / "pcie_allreduce"
     tools = (
         "pcie_allreduce.tools",
         "pcie_allreduce.cli",
@@ -90,7 +90,7 @@ def test_setup_installs_every_subpackage_of_the_tree():
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     tree = {
         ".".join(p.parent.relative_to(root / "python").parts)
         for p in (root / "python" / "pcie_allreduce").rglob("__init__.py")

@@ -30,8 +30,8 @@ from pcie_allreduce.tools.doctor import (
 from pcie_allreduce.topology import host_devices
 from pcie_allreduce.tuning import cache
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "doctor"
-CORPUS = Path(__file__).resolve().parents[1] / "fuzz" / "corpus" / "fuzz_nvidia_smi_topo"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
+CORPUS = Path(__file__).resolve().parents[2] / "fuzz" / "corpus" / "fuzz_nvidia_smi_topo"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
