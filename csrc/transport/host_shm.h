@@ -51,10 +51,11 @@ class HostShmWorkspace final : public Workspace {
   // Unlinks our segment's name (every rank has mapped it); peers keep their mappings. Only the
   // creating process unlinks: a forked child that inherited the workspace never does.
   void retire_token() noexcept override { segments_.unlink(); }
-  // open_peers() for ranks that are threads of this process (tests/cpp/test_host_threads.cc):
-  // ShmSegments::open_peers_in_process() over each peer workspace's segments, so ThreadSanitizer
-  // sees every cross-rank access and its synchronisation. peers[r] is rank r's workspace
-  // (peers[rank()] is this one); each must stay alive until this workspace's close_peers().
+  // open_peers() for ranks that are threads of this process
+  // (tests/cpp/transport/test_host_threads.cc): ShmSegments::open_peers_in_process() over each peer
+  // workspace's segments, so ThreadSanitizer sees every cross-rank access and its synchronisation.
+  // peers[r] is rank r's workspace (peers[rank()] is this one); each must stay alive until this
+  // workspace's close_peers().
   void open_peers_in_process(const std::vector<HostShmWorkspace*>& peers);
 
   // One all-reduce (see Call; HostExecutor::run). Throws TransportFailure on a timeout or a peer
@@ -68,7 +69,8 @@ class HostShmWorkspace final : public Workspace {
   void close_peers() override { segments_.close_peers(); }  // unmaps the peers' segments
   void release() override { segments_.release(); }          // unmaps and unlinks our own
 
-  // ---- fault injection, FOR TESTS ONLY (tests/cpp/test_host_chaos.cc): HostExecutor's hook.
+  // ---- fault injection, FOR TESTS ONLY (tests/cpp/transport/test_host_chaos.cc): HostExecutor's
+  // hook.
   using StepPoint = HostExecutor::StepPoint;
   using StepHook = HostExecutor::StepHook;
   void set_step_hook_for_testing(StepHook hook) { executor_.set_step_hook(std::move(hook)); }

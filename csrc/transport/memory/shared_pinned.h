@@ -3,7 +3,7 @@
 // (ShmSegments creates, names, sizes, protects, maps and unlinks them, and reclaims those of
 // dead creators); this class adds the pinning, through a HostRegistrar, so that what is pinned
 // when, what a failure undoes and the teardown order are plain C++ that tests check without a
-// GPU (tests/cpp/test_shared_pinned.cc). cuda_host_registrar.h is the CUDA registrar.
+// GPU (tests/cpp/transport/test_shared_pinned.cc). cuda_host_registrar.h is the CUDA registrar.
 //
 // One segment per rank rather than one for the group: each rank creates (and first-touches) its
 // own, so on a two-socket host a rank's slots and flags sit in its own socket's memory, and the

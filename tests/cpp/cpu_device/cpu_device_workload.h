@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "../host_test_util.h"
+#include "../transport/host_test_util.h"
 #include "cpu_device_group.h"
 #include "transport/executors/cuda/cpu/device.h"
 

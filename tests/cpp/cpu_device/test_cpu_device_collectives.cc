@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "../host_test_util.h"
+#include "../transport/host_test_util.h"
 #include "cpu_device_group.h"
 #include "plan/layout.h"
 #include "plan/schedule.h"

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "../host_test_util.h"
+#include "../transport/host_test_util.h"
 #include "cpu_device_group.h"
 #include "cpu_device_workload.h"
 #include "plan/layout.h"

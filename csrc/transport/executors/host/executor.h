@@ -43,7 +43,7 @@ class HostExecutor {
            const Call& call);
   const std::optional<plan::Diagnostic>& failure() const { return failure_; }
 
-  // ---- fault injection, FOR TESTS ONLY (tests/cpp/test_host_chaos.cc)
+  // ---- fault injection, FOR TESTS ONLY (tests/cpp/transport/test_host_chaos.cc)
   // Where the executor stands when it calls the step hook.
   struct StepPoint {
     int block;     // the slice being walked, 0..call.blocks - 1 (slices run in turn)

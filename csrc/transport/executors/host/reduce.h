@@ -11,10 +11,10 @@
 // A NaN result is always the canonical quiet NaN (fp32 0x7fffffff, bf16 and fp16 0x7fff), the
 // one the GPU's adds and conversions produce, whatever payloads the NaN operands carry: which
 // payload an IEEE add keeps depends on operand order, which the compiler may swap.
-// The vector variants are bit-identical to the scalar one (tests/cpp/test_host_reduce.cc): the
-// same fp32 additions in the same order, the same integer rounding for bf16, and the hardware's
-// round-to-nearest-even conversion for fp16, whose NaN, infinity, overflow and subnormal
-// results equal the scalar codec's.
+// The vector variants are bit-identical to the scalar one
+// (tests/cpp/transport/test_host_reduce.cc): the same fp32 additions in the same order, the same
+// integer rounding for bf16, and the hardware's round-to-nearest-even conversion for fp16, whose
+// NaN, infinity, overflow and subnormal results equal the scalar codec's.
 #pragma once
 
 #include <cstdint>

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "host_test_util.h"
+#include "../transport/host_test_util.h"
 #include "plan/schedule.h"
 #include "plan/verify.h"
 

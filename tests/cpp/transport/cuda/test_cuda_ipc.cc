@@ -1,7 +1,7 @@
 // Host-side checks of the CUDA IPC transport that need no GPU: which tactics the kernels can
 // run, how launches are encoded, and the clear error when CUDA is requested on a machine
 // without a device. What the kernel may assume about step lists is plan::check_program
-// (tests/cpp/test_program_check.cc); what it may assume about a call is the communicator's
+// (tests/cpp/plan/test_program_check.cc); what it may assume about a call is the communicator's
 // admission (tests/python).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
