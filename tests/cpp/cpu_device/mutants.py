@@ -32,9 +32,11 @@ CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
 # Run in turn against each mutant, each stopping at its first failure: the matrix of tactics,
 # then the rest (back to back across the tag wrap, the host cross-check, ranks as processes, the
 # failure paths). A mutant is killed when either fails.
-SUITES = ("Loopback/CpuDeviceExecutor.*",
-          "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*:"
-          "CpuDeviceSignedZeros.*:Fused/CpuDeviceEpilogue.*:CpuDeviceEpilogueOrder.*")
+SUITES = (
+    "Loopback/CpuDeviceExecutor.*",
+    "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*:"
+    "CpuDeviceSignedZeros.*:Fused/CpuDeviceEpilogue.*:CpuDeviceEpilogueOrder.*",
+)
 LIMIT_S = 900
 
 
@@ -48,94 +50,151 @@ class Mutant:
 
 
 MUTANTS = [
-    Mutant("no_barrier_before_signal", EXECUTOR,
-           "        const int n = run_length(program, s);\n        __syncthreads();\n"
-           "        for (int j = thread_index(); j < n; j += blockDim.x) raise_flag(",
-           "        const int n = run_length(program, s);\n"
-           "        for (int j = thread_index(); j < n; j += blockDim.x) raise_flag(",
-           "a signal may go out before the CTA's other threads have written their part"),
-    Mutant("no_barrier_after_waits", EXECUTOR,
-           "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n"
-           "        __syncthreads();\n",
-           "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n",
-           "a thread may read data whose flag another thread of its CTA is still waiting for"),
-    Mutant("no_ll_reset", EXECUTOR,
-           "      reset_ll(ll);\n      if constexpr (!Dense) reset_ll(ll + 1);\n",
-           "      if constexpr (Dense) reset_ll(ll);\n",
-           "a consumed LL word keeps its tag: two calls later it names the wrong call"),
-    Mutant("no_lamport_reset", EXECUTOR,
-           "      reset_ll(ll);\n      if constexpr (!Dense) reset_ll(ll + 1);\n",
-           "      if constexpr (!Dense) {\n        reset_ll(ll);\n        reset_ll(ll + 1);\n"
-           "      }\n",
-           "a consumed lamport word stays non-empty: two calls later it is taken for new data"),
-    Mutant("first_look_trusts_tags", EXECUTOR,
-           "      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= "
-           "1u << k;\n",
-           "      if (Dense && !dense_arrived(lo[k])) pending |= 1u << k;\n      (void)tag;\n",
-           "the first look takes an LL vector whose tags are not yet this call's: stale or "
-           "half-written data is summed"),
-    Mutant("first_look_trusts_lamport", EXECUTOR,
-           "      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= "
-           "1u << k;\n",
-           "      if (!Dense && !ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;\n",
-           "the first look takes a lamport vector that still holds empty words: the empty "
-           "pattern is summed as data"),
-    Mutant("lamport_keeps_negative_zero", EXECUTOR,
-           "  return make_uint4(plan::ll_dense_word(v.x, kBytes), plan::ll_dense_word(v.y, kBytes),\n"
-           "                    plan::ll_dense_word(v.z, kBytes), plan::ll_dense_word(v.w, kBytes));\n",
-           "  (void)kBytes;\n  return v;\n",
-           "a lamport writer stores -0 as it is: a word that is the empty pattern never arrives"),
-    Mutant("lamport_without_headers", EXECUTOR,
-           "      exchange_headers(p, c, step_index, step);\n",
-           "      (void)0;\n",
-           "no lamport header: a peer in another call (same generation, other dtype or size) is "
-           "summed instead of reported"),
-    Mutant("fanout_first_destination_only", EXECUTOR,
-           "    for (int j = 0; j < N; ++j) {\n      const plan::BufRef& ref = program.steps[s + j].dst;",
-           "    for (int j = 0; j < 1; ++j) {\n      const plan::BufRef& ref = program.steps[s + j].dst;",
-           "a fan-out loads once and stores to its first destination only: the other peers never "
-           "get the data"),
-    Mutant("fanout_joins_any_copy", EXECUTOR,
-           "         plan::continues_fanout(first, program.steps[end])) {",
-           "         plan::is_fanout_copy(program.steps[end])) {",
-           "copies of different chunks run as one fan-out: every destination gets the first "
-           "step's chunk"),
-    Mutant("fanout_without_headers", EXECUTOR,
-           "      for (int j = 0; j < N; ++j) exchange_headers(p, c, s + j, program.steps[s + j]);\n",
-           "      (void)0;\n",
-           "a lamport fan-out sends no headers: its readers never learn which call the data is of"),
-    Mutant("epilogue_without_barrier", EXECUTOR,
-           "  meet_rank_ctas(p, c, s, program.steps[s]);\n",
-           "  (void)s;\n  (void)program;\n",
-           "the epilogue reads whole rows before the rank's other CTAs have summed their slices"),
-    Mutant("epilogue_barrier_does_not_wait", EXECUTOR,
-           "    while (!plan::gen_reached(seen, c.gen)) {\n",
-           "    while (false) {\n",
-           "the rank's CTAs announce their slices done but do not wait for each other"),
-    Mutant("epilogue_fuses_multiply_add", EXECUTOR,
-           "        for (int e = 0; e < kElems; ++e) acc[e] = add_rn(acc[e], mul_rn(a[e], a[e]));\n",
-           "        for (int e = 0; e < kElems; ++e) acc[e] = std::fma(a[e], a[e], acc[e]);\n",
-           "the mean of squares contracts into FMAs: the bits differ from the host's (and from "
-           "plan/epilogue.h's order)"),
-    Mutant("epilogue_partials_transposed", EXECUTOR,
-           "      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];\n",
-           "      for (int e = 0; e < kElems; ++e) partials[e * kPositions + j] = acc[e];\n",
-           "the partials enter the tree in another order: a row's norm depends on the layout"),
-    Mutant("wrong_parity", EXECUTOR,
-           "  c.parity = plan::gen_parity(c.gen);\n",
-           "  c.parity = 0;\n",
-           "no double buffer: a fast rank overwrites what a slow peer still reads"),
-    Mutant("missing_release", CPU_PRIMITIVES,
-           "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n",
-           "  cpu_device::store(ptr, &gen, sizeof(gen));\n",
-           "a flag's generation is a plain store: it may land before the data it announces"),
-    Mutant("call_after_release", CPU_PRIMITIVES,
-           "  cpu_device::store(static_cast<uint64_t*>(ptr) + 1, &call, sizeof(call));\n"
-           "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n",
-           "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n"
-           "  cpu_device::store(static_cast<uint64_t*>(ptr) + 1, &call, sizeof(call));\n",
-           "a reader that acquired the generation may see the previous call's identity (the "
-           "torn flag the CPU device found)"),
+    Mutant(
+        "no_barrier_before_signal",
+        EXECUTOR,
+        "        const int n = run_length(program, s);\n        __syncthreads();\n"
+        "        for (int j = thread_index(); j < n; j += blockDim.x) raise_flag(",
+        "        const int n = run_length(program, s);\n"
+        "        for (int j = thread_index(); j < n; j += blockDim.x) raise_flag(",
+        "a signal may go out before the CTA's other threads have written their part",
+    ),
+    Mutant(
+        "no_barrier_after_waits",
+        EXECUTOR,
+        "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n"
+        "        __syncthreads();\n",
+        "          wait_flag(p, c, s + j, program.steps[s + j]);\n        }\n",
+        "a thread may read data whose flag another thread of its CTA is still waiting for",
+    ),
+    Mutant(
+        "no_ll_reset",
+        EXECUTOR,
+        "      reset_ll(ll);\n      if constexpr (!Dense) reset_ll(ll + 1);\n",
+        "      if constexpr (Dense) reset_ll(ll);\n",
+        "a consumed LL word keeps its tag: two calls later it names the wrong call",
+    ),
+    Mutant(
+        "no_lamport_reset",
+        EXECUTOR,
+        "      reset_ll(ll);\n      if constexpr (!Dense) reset_ll(ll + 1);\n",
+        "      if constexpr (!Dense) {\n        reset_ll(ll);\n        reset_ll(ll + 1);\n"
+        "      }\n",
+        "a consumed lamport word stays non-empty: two calls later it is taken for new data",
+    ),
+    Mutant(
+        "first_look_trusts_tags",
+        EXECUTOR,
+        "      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= "
+        "1u << k;\n",
+        "      if (Dense && !dense_arrived(lo[k])) pending |= 1u << k;\n      (void)tag;\n",
+        "the first look takes an LL vector whose tags are not yet this call's: stale or "
+        "half-written data is summed",
+    ),
+    Mutant(
+        "first_look_trusts_lamport",
+        EXECUTOR,
+        "      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= "
+        "1u << k;\n",
+        "      if (!Dense && !ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;\n",
+        "the first look takes a lamport vector that still holds empty words: the empty "
+        "pattern is summed as data",
+    ),
+    Mutant(
+        "lamport_keeps_negative_zero",
+        EXECUTOR,
+        "  return make_uint4(plan::ll_dense_word(v.x, kBytes), plan::ll_dense_word(v.y, kBytes),\n"
+        "                    plan::ll_dense_word(v.z, kBytes), "
+        "plan::ll_dense_word(v.w, kBytes));\n",
+        "  (void)kBytes;\n  return v;\n",
+        "a lamport writer stores -0 as it is: a word that is the empty pattern never arrives",
+    ),
+    Mutant(
+        "lamport_without_headers",
+        EXECUTOR,
+        "      exchange_headers(p, c, step_index, step);\n",
+        "      (void)0;\n",
+        "no lamport header: a peer in another call (same generation, other dtype or size) is "
+        "summed instead of reported",
+    ),
+    Mutant(
+        "fanout_first_destination_only",
+        EXECUTOR,
+        "    for (int j = 0; j < N; ++j) {\n"
+        "      const plan::BufRef& ref = program.steps[s + j].dst;",
+        "    for (int j = 0; j < 1; ++j) {\n"
+        "      const plan::BufRef& ref = program.steps[s + j].dst;",
+        "a fan-out loads once and stores to its first destination only: the other peers never "
+        "get the data",
+    ),
+    Mutant(
+        "fanout_joins_any_copy",
+        EXECUTOR,
+        "         plan::continues_fanout(first, program.steps[end])) {",
+        "         plan::is_fanout_copy(program.steps[end])) {",
+        "copies of different chunks run as one fan-out: every destination gets the first "
+        "step's chunk",
+    ),
+    Mutant(
+        "fanout_without_headers",
+        EXECUTOR,
+        "      for (int j = 0; j < N; ++j) exchange_headers(p, c, s + j, program.steps[s + j]);\n",
+        "      (void)0;\n",
+        "a lamport fan-out sends no headers: its readers never learn which call the data is of",
+    ),
+    Mutant(
+        "epilogue_without_barrier",
+        EXECUTOR,
+        "  meet_rank_ctas(p, c, s, program.steps[s]);\n",
+        "  (void)s;\n  (void)program;\n",
+        "the epilogue reads whole rows before the rank's other CTAs have summed their slices",
+    ),
+    Mutant(
+        "epilogue_barrier_does_not_wait",
+        EXECUTOR,
+        "    while (!plan::gen_reached(seen, c.gen)) {\n",
+        "    while (false) {\n",
+        "the rank's CTAs announce their slices done but do not wait for each other",
+    ),
+    Mutant(
+        "epilogue_fuses_multiply_add",
+        EXECUTOR,
+        "        for (int e = 0; e < kElems; ++e) acc[e] = add_rn(acc[e], mul_rn(a[e], a[e]));\n",
+        "        for (int e = 0; e < kElems; ++e) acc[e] = std::fma(a[e], a[e], acc[e]);\n",
+        "the mean of squares contracts into FMAs: the bits differ from the host's (and from "
+        "plan/epilogue.h's order)",
+    ),
+    Mutant(
+        "epilogue_partials_transposed",
+        EXECUTOR,
+        "      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];\n",
+        "      for (int e = 0; e < kElems; ++e) partials[e * kPositions + j] = acc[e];\n",
+        "the partials enter the tree in another order: a row's norm depends on the layout",
+    ),
+    Mutant(
+        "wrong_parity",
+        EXECUTOR,
+        "  c.parity = plan::gen_parity(c.gen);\n",
+        "  c.parity = 0;\n",
+        "no double buffer: a fast rank overwrites what a slow peer still reads",
+    ),
+    Mutant(
+        "missing_release",
+        CPU_PRIMITIVES,
+        "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n",
+        "  cpu_device::store(ptr, &gen, sizeof(gen));\n",
+        "a flag's generation is a plain store: it may land before the data it announces",
+    ),
+    Mutant(
+        "call_after_release",
+        CPU_PRIMITIVES,
+        "  cpu_device::store(static_cast<uint64_t*>(ptr) + 1, &call, sizeof(call));\n"
+        "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n",
+        "  cpu_device::store_release(ptr, &gen, sizeof(gen));\n"
+        "  cpu_device::store(static_cast<uint64_t*>(ptr) + 1, &call, sizeof(call));\n",
+        "a reader that acquired the generation may see the previous call's identity (the "
+        "torn flag the CPU device found)",
+    ),
 ]
 
 
@@ -148,8 +207,10 @@ def overlay(m: Mutant) -> Path:
     src = (ROOT / "csrc" / m.path).read_text()
     count = src.count(m.before)
     if count != 1:
-        sys.exit(f"mutant {m.name}: the text to mutate occurs {count} times in csrc/{m.path} "
-                 "(expected once): update the mutant with the code")
+        sys.exit(
+            f"mutant {m.name}: the text to mutate occurs {count} times in csrc/{m.path} "
+            "(expected once): update the mutant with the code"
+        )
     where = BUILD / "overlays" / m.name
     shutil.rmtree(where, ignore_errors=True)
     target = where / m.path
@@ -159,12 +220,30 @@ def overlay(m: Mutant) -> Path:
 
 
 def build(overlay_dir: Path | str) -> None:
-    configure = ["cmake", "-S", str(ROOT), "-B", str(BUILD), "-DPCIE_AR_WITH_TORCH=OFF",
-                 "-DPCIE_AR_WITH_CUDA=OFF", f"-DPCIE_AR_CPU_DEVICE_OVERLAY={overlay_dir}"]
+    configure = [
+        "cmake",
+        "-S",
+        str(ROOT),
+        "-B",
+        str(BUILD),
+        "-DPCIE_AR_WITH_TORCH=OFF",
+        "-DPCIE_AR_WITH_CUDA=OFF",
+        f"-DPCIE_AR_CPU_DEVICE_OVERLAY={overlay_dir}",
+    ]
     if shutil.which("ninja") and not (BUILD / "CMakeCache.txt").exists():
         configure += ["-G", "Ninja"]
-    for cmd in (configure, ["cmake", "--build", str(BUILD), "-j", os.environ.get("JOBS", "2"),
-                            "--target", "pcie_cpu_device_tests"]):
+    for cmd in (
+        configure,
+        [
+            "cmake",
+            "--build",
+            str(BUILD),
+            "-j",
+            os.environ.get("JOBS", "2"),
+            "--target",
+            "pcie_cpu_device_tests",
+        ],
+    ):
         done = run(cmd)
         if done.returncode != 0:
             sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
@@ -176,8 +255,14 @@ def suites() -> tuple[str, list[str], float]:
     outcome, failed = "passed", []
     for suite in SUITES:
         try:
-            done = run([str(BUILD / "pcie_cpu_device_tests"), f"--gtest_filter={suite}",
-                        "--gtest_fail_fast"], timeout=LIMIT_S)
+            done = run(
+                [
+                    str(BUILD / "pcie_cpu_device_tests"),
+                    f"--gtest_filter={suite}",
+                    "--gtest_fail_fast",
+                ],
+                timeout=LIMIT_S,
+            )
         except subprocess.TimeoutExpired:
             outcome = "hung"
             continue
@@ -201,11 +286,15 @@ def main() -> int:
     for m in chosen:
         build(overlay(m))
         outcome, failed, seconds = suites()
-        caught = ", ".join(failed) if failed else ("(hung past the limit)" if outcome == "hung"
-                                                   else "-")
+        caught = (
+            ", ".join(failed) if failed else ("(hung past the limit)" if outcome == "hung" else "-")
+        )
         verdict = "SURVIVED" if outcome == "passed" else "killed"
-        print(f"{m.name:26} {verdict:8} {seconds:6.1f} s  breaks: {m.breaks}\n"
-              f"{'':26} caught by {caught}", flush=True)
+        print(
+            f"{m.name:26} {verdict:8} {seconds:6.1f} s  breaks: {m.breaks}\n"
+            f"{'':26} caught by {caught}",
+            flush=True,
+        )
         if outcome == "passed":
             survivors.append(m.name)
     build("")  # leave the build directory with the real executor
