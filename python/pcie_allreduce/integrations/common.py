@@ -1,5 +1,6 @@
-"""What the engine adapters share: which group is served, how big the workspace is, what
-deterministic mode pins, the warm-up before graph capture, and the closing stats line.
+"""What the engine adapters share around the calls: which group is served, how big the
+workspace is, what deterministic mode pins, the warm-up before graph capture, and the closing
+stats line (the calls themselves: ``adapter.py``).
 
 Nothing here imports an engine: the adapters (``vllm.py``, ``sglang.py``) read the engine's
 configuration and pass plain values in.
@@ -7,7 +8,6 @@ configuration and pass plain values in.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 from typing import Any
@@ -21,12 +21,6 @@ logger = logging.getLogger("pcie_allreduce")
 TP_GROUP_NAME = "tp"  # exactly the engines' tensor-parallel group; never attention_tp, moe_tp
 # The collectives besides the all-reduce that the adapters route (PcieAllReduce's names).
 COLLECTIVES: tuple[str, ...] = ("reduce_scatter", "all_gather")
-# Declines the adapters decide themselves, before asking the communicator (the engine's path
-# runs the call). Like the communicator's reasons they depend only on what every rank agrees on
-# (shapes, dtypes, the sizes list the engine passes), so every rank declines together.
-SHAPE = "shape"  # no dim-0 split: the engine's tensors do not fit the collective's layout
-VARIABLE_SIZES = "variable_sizes"  # an all_gatherv / reduce_scatterv with unequal sizes
-NOT_BUILT = "not_built"  # SGLang: the communicator is not built yet (before prepare())
 WARMUP_TUNE_BUDGET_S = 60.0  # a first start on a host without a cache measures this long
 
 
@@ -108,63 +102,6 @@ def warm_up(
             outcome["why_not_tuned"] = str(error)
     outcome.update(ar.prepare(hidden, max_rows))
     return outcome
-
-
-class CollectiveDeclines:
-    """The reduce-scatters and all-gathers an adapter left on the engine's path, per
-    collective and reason (the communicator counts the calls it ran, and the declines inside
-    its own reduce_scatter/all_gather, in ``stats()["collectives"]``)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, collections.Counter] = {
-            c: collections.Counter() for c in COLLECTIVES
-        }
-
-    def add(self, collective: str, reason: str) -> int:
-        """Counts one decline; returns how many of that (collective, reason) came before."""
-        before = self.counts[collective][reason]
-        self.counts[collective][reason] = before + 1
-        return before
-
-    def merge_into(self, stats: dict[str, Any]) -> None:
-        """Adds these declines to ``stats["collectives"][c]["declines"]`` (the communicator's
-        layout: only collectives and reasons with nonzero counts are present)."""
-        merged = {
-            c: {k: dict(v) for k, v in (entry or {}).items()}
-            for c, entry in (stats.get("collectives") or {}).items()
-        }
-        for c, counter in self.counts.items():
-            for reason, n in counter.items():
-                if n:
-                    entry = merged.setdefault(c, {})
-                    declines = entry.setdefault("declines", {})
-                    declines[reason] = declines.get(reason, 0) + n
-        stats["collectives"] = merged
-
-
-def overlaps(a: Any, b: Any) -> bool:
-    """Whether two tensors share any byte (an engine's in-place reduce-scatter passes a slice
-    of its input as the output, as NCCL allows; the result then goes through a fresh tensor)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-
-    def span(t: Any) -> tuple[int, int]:
-        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-        start = t.data_ptr()
-        return start, start + extent * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
-def gathered_along(gathered: Any, world: int, size: Any, dim: int) -> Any:
-    """``[world * size[0], ...]`` (rank-major along dim 0, what PcieAllReduce.all_gather
-    returns) as the engines' concat-style all-gather along ``dim`` (the layout both vLLM's and
-    SGLang's ``all_gather(x, dim)`` build from their dim-0 collective)."""
-    if dim == 0:
-        return gathered
-    out = gathered.reshape((world,) + tuple(size)).movedim(0, dim)
-    return out.reshape(tuple(size[:dim]) + (world * size[dim],) + tuple(size[dim + 1 :]))
 
 
 def collectives_summary(stats: dict[str, Any]) -> str:

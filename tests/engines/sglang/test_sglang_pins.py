@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("sglang", reason="needs SGLang: run .ci/engine-sglang")
 
 import pcie_allreduce.integrations.sglang as ours  # noqa: E402
+import pcie_allreduce.integrations.sglang_config as sglang_config  # noqa: E402
 
 SLOT = ours.SglangPcieAllReduce
 
@@ -162,9 +163,9 @@ def test_the_accessors_raise_value_error_until_server_args_are_published():
     for accessor in (get_exec, get_spec):
         with pytest.raises(ValueError):
             accessor()
-    max_bs, draft, why = ours._decode_width()
+    max_bs, draft, why = sglang_config.decode_width()
     assert (max_bs, draft) == (None, None) and "not published" in why
-    assert ours._engine_autotune_disabled() is False
+    assert sglang_config.engine_autotune_disabled() is False
 
 
 def test_the_deterministic_rule_and_the_flags_are_sglangs():
@@ -191,7 +192,7 @@ def test_a_config_path_this_sglang_lacks_is_said_not_silently_guessed(monkeypatc
     from sglang.srt import runtime_context
 
     monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace())
-    max_bs, draft, why = ours._decode_width()
+    max_bs, draft, why = sglang_config.decode_width()
     assert (max_bs, draft) == (None, None)
     assert why == "SGLang's config has no get_exec().graph.cuda_graph_config"
     assert "cannot read SGLang's get_exec().graph.cuda_graph_config" in caplog.text
