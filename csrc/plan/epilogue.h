@@ -3,7 +3,7 @@
 //   y            = rms_norm(residual_out) * weight
 // per row of `hidden` elements, where `sum` is the all-reduce's result as the schedule forms it.
 // Both executors (host: executors/host/epilogue.cc; CUDA: executor.cuh) and the unfused path
-// (comm/communicator.cc, in ATen) compute exactly this, so a row's result is the same on every
+// (comm/fallback.cc, in ATen) compute exactly this, so a row's result is the same on every
 // rank, on every path that rounds the same, and whatever other rows share the batch:
 //
 //   r_i   = round(float(sum_i) + float(residual_i))         rounded once to the dtype

@@ -110,6 +110,13 @@ enum class FailureKind : uint32_t {
   kLLMismatch = 4,   // an LL vector arrived tagged for a different call or generation
   kInterrupted = 5,  // this rank abandoned the call in a wait (a signal: Ctrl-C); host only
 };
+inline constexpr auto kFailureKindNames =
+    name_table<FailureKind>("failure kind", {{FailureKind::kNone, "none"},
+                                             {FailureKind::kTimeout, "timeout"},
+                                             {FailureKind::kMismatch, "mismatch"},
+                                             {FailureKind::kLLTimeout, "ll_timeout"},
+                                             {FailureKind::kLLMismatch, "ll_mismatch"},
+                                             {FailureKind::kInterrupted, "interrupted"}});
 
 // What an executor records before it fails, where the host can read it (mapped host memory on
 // the GPU). All fields are plain words so a kernel can write them without a format.

@@ -21,6 +21,10 @@ inline constexpr int kMaxSteps = 64;           // per rank; builders stay far be
 // this call has landed, then resets them. Only the owner reads its LL slots (it polls its own
 // memory), and each is read exactly once per write.
 enum class Space : uint8_t { kInput = 0, kOutput = 1, kSlot = 2, kLL = 3 };
+inline constexpr auto kSpaceNames = name_table<Space>("space", {{Space::kInput, "input"},
+                                                                {Space::kOutput, "output"},
+                                                                {Space::kSlot, "slot"},
+                                                                {Space::kLL, "ll"}});
 
 struct BufRef {
   Space space = Space::kInput;
@@ -42,6 +46,11 @@ enum class StepKind : uint8_t {
   // rank (its CTAs meet on its own generation counters, not on a flag).
   kEpilogue = 3,
 };
+inline constexpr auto kStepKindNames =
+    name_table<StepKind>("step kind", {{StepKind::kReduce, "reduce"},
+                                       {StepKind::kSignal, "signal"},
+                                       {StepKind::kWait, "wait"},
+                                       {StepKind::kEpilogue, "epilogue"}});
 
 struct Step {
   StepKind kind = StepKind::kReduce;

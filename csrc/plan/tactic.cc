@@ -10,6 +10,12 @@ bool is_island_algorithm(Algorithm algorithm) {
   return algorithm == Algorithm::kIslandOneshot || algorithm == Algorithm::kIslandTwoshot;
 }
 
+Tactic two_shot_form(Tactic tactic) {
+  if (tactic.algorithm == Algorithm::kOneshot) tactic.algorithm = Algorithm::kTwoshot;
+  if (tactic.algorithm == Algorithm::kIslandOneshot) tactic.algorithm = Algorithm::kIslandTwoshot;
+  return tactic;
+}
+
 std::string tactic_label(const Tactic& tactic) {
   std::string label(algorithm_name(tactic.algorithm));
   label += '/';

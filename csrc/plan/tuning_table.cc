@@ -437,6 +437,17 @@ TableChoice TuningTable::choose(std::string_view topology_key, int world, DType 
   return choice;
 }
 
+TableChoice TuningTable::decide(std::string_view topology_key, int world, DType dtype,
+                                int64_t bytes, const RunnableCheck& why_not_runnable,
+                                Collective collective) const {
+  TableChoice own = choose(topology_key, world, dtype, bytes, why_not_runnable, collective);
+  if (collective == Collective::kAllReduce || own.line != 0) return own;
+  TableChoice all_reduce = choose(topology_key, world, dtype, bytes, why_not_runnable);
+  all_reduce.tactic = two_shot_form(all_reduce.tactic);
+  all_reduce.skipped.insert(all_reduce.skipped.begin(), own.skipped.begin(), own.skipped.end());
+  return all_reduce;
+}
+
 std::string TuningTable::canonical_text() const {
   std::string text;
   for (const TableRow& r : rows_) {

@@ -102,6 +102,14 @@ class TuningTable {
                      const RunnableCheck& why_not_runnable,
                      Collective collective = Collective::kAllReduce) const;
 
+  // What decides a call of `collective`: choose() for it; a reduce-scatter or all-gather that
+  // no row of its own decides (line 0) takes the all-reduce's choice for the same message in
+  // its two-shot form (two_shot_form: same direction, staging, protocol and launch shape), or
+  // the fallback where the all-reduce's is. `skipped` holds the rows skipped on the way, both
+  // lookups'. A table may so tune the halves apart from the all-reduce, or not at all.
+  TableChoice decide(std::string_view topology_key, int world, DType dtype, int64_t bytes,
+                     const RunnableCheck& why_not_runnable, Collective collective) const;
+
   const std::vector<TableRow>& rows() const { return rows_; }
   const std::string& source() const { return source_; }
   // FNV-1a over the canonical text of the matched columns: comments, spacing and extra

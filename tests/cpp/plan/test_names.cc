@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "plan/names.h"
+#include "plan/protocol.h"
+#include "plan/step.h"
 #include "transport/kind.h"
 
 namespace pcie_ar {
@@ -60,6 +62,29 @@ TEST(Names, TransportsHaveTheirFilesNamesAndTheOldNamesAsAliases) {
   EXPECT_EQ(kKindNames.parse("hostmem"), Kind::kCudaHost);
   EXPECT_EQ(kKindNames.aliases_of(Kind::kCudaIpc), (std::vector<std::string_view>{"cuda", "p2p"}));
   EXPECT_THROW(kKindNames.parse("nvlink"), std::invalid_argument);
+}
+
+// The names Python sees in diagnostics (kind) and step lists (kind, space): one per value, in
+// the enums' order, each parsing back.
+TEST(Names, DiagnosticsAndStepsNameEveryValue) {
+  EXPECT_EQ(plan::kFailureKindNames.names(),
+            (std::vector<std::string_view>{"none", "timeout", "mismatch", "ll_timeout",
+                                           "ll_mismatch", "interrupted"}));
+  EXPECT_EQ(plan::kStepKindNames.names(),
+            (std::vector<std::string_view>{"reduce", "signal", "wait", "epilogue"}));
+  EXPECT_EQ(plan::kSpaceNames.names(),
+            (std::vector<std::string_view>{"input", "output", "slot", "ll"}));
+  for (size_t i = 0; i < plan::kFailureKindNames.entries.size(); ++i) {
+    EXPECT_EQ(static_cast<size_t>(plan::kFailureKindNames.entries[i].value), i);
+  }
+  for (size_t i = 0; i < plan::kStepKindNames.entries.size(); ++i) {
+    EXPECT_EQ(static_cast<size_t>(plan::kStepKindNames.entries[i].value), i);
+  }
+  for (size_t i = 0; i < plan::kSpaceNames.entries.size(); ++i) {
+    EXPECT_EQ(static_cast<size_t>(plan::kSpaceNames.entries[i].value), i);
+  }
+  EXPECT_EQ(plan::kFailureKindNames.name_of(static_cast<plan::FailureKind>(77), "unknown"),
+            "unknown");
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plan/schedule.h"
@@ -431,6 +433,48 @@ TEST(TuningTableCollectives, RowsDecideOnlyTheCollectiveTheyName) {
   EXPECT_NE(t.canonical_text().find(old.canonical_text()), std::string::npos);
   EXPECT_NE(t.hash(), old.hash());
   EXPECT_EQ(TuningTable::parse("# a comment\n" + all_reduce_rows).hash(), old.hash());
+}
+
+// What decides a call: a collective's own row where it has one; otherwise the all-reduce's choice
+// for the same message in two-shot form (every other field kept), or the fallback where the
+// all-reduce's is; the skipped rows of both lookups are reported.
+TEST(TuningTableCollectives, DecideTakesTheAllReducesChoiceInTwoShotFormWithoutARowOfItsOwn) {
+  const TuningTable t = TuningTable::parse(
+      "*,*,*,0,4096,reduce_scatter:twoshot,pull,1,4,256\n"
+      "*,4,*,0,8192,island_oneshot,pull,0,2,64,lamport\n"
+      "*,*,*,0,8192,oneshot,push,1,8,128,ll\n"
+      "*,*,*,8192,*,fallback\n");
+  const RunnableCheck no_islands = [](const TableRow& row, int64_t) -> std::optional<std::string> {
+    if (row.tactic.algorithm == Algorithm::kIslandOneshot) return "no islands here";
+    return std::nullopt;
+  };
+  // Its own row decides.
+  const TableChoice own =
+      t.decide("flat", 4, DType::kBF16, 1024, no_islands, Collective::kReduceScatter);
+  EXPECT_EQ(own.line, 1);
+  EXPECT_EQ(own.tactic.direction, Direction::kPull);
+  // None of its own: the all-reduce's (line 3, after line 2 was skipped) in two-shot form.
+  for (const Collective c : {Collective::kReduceScatter, Collective::kAllGather}) {
+    const TableChoice d = t.decide("flat", 4, DType::kBF16, 6144, no_islands, c);
+    EXPECT_FALSE(d.fallback);
+    EXPECT_EQ(d.line, 3);
+    EXPECT_EQ(tactic_label(d.tactic), "twoshot/push/staged/ll/b8/t128");
+    ASSERT_EQ(d.skipped.size(), 1u);
+    EXPECT_EQ(d.skipped[0], std::make_pair(2, std::string("no islands here")));
+  }
+  // The all-reduce itself and the fallback band are the all-reduce's choice, unchanged.
+  EXPECT_EQ(tactic_label(
+                t.decide("flat", 4, DType::kBF16, 6144, no_islands, Collective::kAllReduce).tactic),
+            "oneshot/push/staged/ll/b8/t128");
+  EXPECT_TRUE(
+      t.decide("flat", 4, DType::kBF16, 1 << 20, no_islands, Collective::kAllGather).fallback);
+  // island_oneshot's two-shot form is island_twoshot.
+  const TableChoice island =
+      t.decide("flat", 4, DType::kFP16, 6144, nullptr, Collective::kAllGather);
+  EXPECT_EQ(tactic_label(island.tactic), "island_twoshot/pull/unstaged/lamport/b2/t64");
+  Tactic twoshot;
+  twoshot.algorithm = Algorithm::kTwoshot;
+  EXPECT_EQ(two_shot_form(twoshot), twoshot);
 }
 
 // The seed decides every collective everywhere it decides the all-reduce: NVLink stays on the

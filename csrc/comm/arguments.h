@@ -1,0 +1,42 @@
+// The tensors of one call and the checks every call makes of them before any rank talks: bad
+// arguments raise on the rank that passed them, before any communication, for every op alike.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <optional>
+#include <string>
+
+#include "comm/op.h"
+
+namespace pcie_ar::comm {
+
+// The tensors of one call. inp and out for every op (out may be inp: in place; an undefined out
+// is allocated by the call); the fused call also reads residual and weight and writes
+// residual_out (which may be residual: in place; undefined: allocated).
+struct OpArgs {
+  const at::Tensor& inp;
+  at::Tensor& out;
+  const at::Tensor* residual = nullptr;
+  const at::Tensor* weight = nullptr;
+  at::Tensor* residual_out = nullptr;
+  double eps = 0.0;
+};
+
+// Raises std::invalid_argument (or std::runtime_error for the autograd rules torch's own in-place
+// and out= ops enforce) when `args` cannot be a call of `op` on this communicator: an input on
+// another device than `device` (-1: the CPU; nullopt: no workspace, any device), outputs of the
+// wrong dtype, shape or device, outputs that overlap an operand other than the one they may be in
+// place of, or that overlap themselves (an expand), a reduce-scatter input whose dim 0 is not a
+// multiple of `world`. The message says what was passed and what was expected.
+void check_args(Op op, const OpArgs& args, int world, std::optional<int> device);
+
+// Where the kernels can address a tensor directly: one dense, 16-byte aligned run of elements.
+// Anything else is staged through a contiguous copy (the path never depends on a tensor's
+// layout).
+bool executor_ready(const at::Tensor& t);
+
+// "Float [32, 32] on cpu", for messages.
+std::string describe(const at::Tensor& t);
+
+}  // namespace pcie_ar::comm
