@@ -5,7 +5,7 @@
 #include "comm/communicator.h"
 
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <map>
 #include <optional>

@@ -3,8 +3,7 @@
 // comm::Interrupted as the exception the signal handler raised (KeyboardInterrupt for Ctrl-C).
 #include "comm/errors.h"
 
-#include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 #include <exception>
 
@@ -22,6 +21,15 @@ struct PendingSignal {
   PyObject* traceback = nullptr;
 };
 thread_local PendingSignal pending_signal;
+
+// Py_IsFinalizing() is public from Python 3.13; before, the same function had a private name.
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
 
 void translate_failure(std::exception_ptr thrown) {
   try {
@@ -68,7 +76,7 @@ py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) 
 // Python runs signal handlers on its main thread only, so elsewhere this costs a GIL round and
 // answers false, as time.sleep() does between its slices.
 bool python_signal_raised() {
-  if (!Py_IsInitialized() || Py_IsFinalizing()) return false;
+  if (!Py_IsInitialized() || interpreter_finalizing()) return false;
   const py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() == 0) return false;
   PendingSignal& p = pending_signal;

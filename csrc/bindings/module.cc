@@ -1,7 +1,7 @@
 // pcie_allreduce._C: the pybind11 module (torch's bundled pybind11, so the ABI matches torch's
 // own bindings). The communicator for the Python layer; the plan layer (schedules, verifier,
 // topology, tuning table, cost model) for the CLI and the tests.
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 #include "bindings/bindings.h"
 

@@ -1,7 +1,7 @@
 // The plan layer for the CLI, the tuner and the tests: schedules (build, verify, cost, inspect),
 // the cost model's constants, workspace layouts, topologies and tuning tables.
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <torch/extension.h>
 
 #include <optional>
 #include <string>

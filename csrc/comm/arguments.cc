@@ -1,9 +1,10 @@
 #include "comm/arguments.h"
 
-#include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <optional>

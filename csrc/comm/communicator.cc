@@ -1,6 +1,7 @@
 #include "comm/communicator.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <pthread.h>
 #include <unistd.h>

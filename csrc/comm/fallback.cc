@@ -1,8 +1,13 @@
 #include "comm/fallback.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/reciprocal.h>
+#include <ATen/ops/sqrt.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <stdexcept>

@@ -4,7 +4,15 @@
 // it; the group's own collectives are tested from Python with real gloo groups.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/sin.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <exception>
 #include <functional>
