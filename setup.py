@@ -62,7 +62,9 @@ setup(
         "pcie_allreduce",
         "pcie_allreduce.integrations",
         "pcie_allreduce.tuning",
+        "pcie_allreduce.tuning.tuner",
         "pcie_allreduce.tools",
+        "pcie_allreduce.tools.bench",
         "pcie_allreduce.tools.doctor",
     ],
 )

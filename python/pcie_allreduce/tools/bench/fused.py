@@ -1,0 +1,118 @@
+"""`pcie-allreduce bench --fused`: per batch of rows of --hidden, the fused all-reduce +
+residual add + RMSNorm beside our all-reduce alone, the unfused path (ours + torch add and
+rms_norm) and the fallback's, interleaved in rounds, every result verified first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...testing import DTYPES, fused_float64, rank_input
+from ..ranks import Rank, set_up
+from .measure import best_of_rounds, ranks_differ
+from .report import Report, fallback_name, print_run
+
+BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # the batches timed, in rows
+_EPS = 1e-6
+
+
+def _fused_wrong(
+    r: Rank,
+    y: torch.Tensor,
+    res_out: torch.Tensor,
+    xs: list[torch.Tensor],
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    dtype_name: str,
+) -> int:
+    """Elements of the fused result further from float64 than a few roundings of the dtype (at
+    least 1 if the ranks' bits differ)."""
+    y64, r64 = fused_float64(xs, residual.cpu(), weight.cpu(), _EPS)
+    ulp = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 2.0**-23}[dtype_name]
+    wrong = 0
+    for got, exact in ((y, y64), (res_out, r64)):
+        scale = exact.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+        wrong += int(((got.cpu().double() - exact).abs() > 4 * ulp * scale + 1e-6).sum().item())
+    return max(wrong, 1) if ranks_differ(r, y, res_out) else wrong
+
+
+def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
+    dtype_name, hidden = opts["dtype"], opts["hidden"]
+    dtype = DTYPES[dtype_name]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    row_bytes = hidden * elem
+    rows_list = [n for n in BATCH_ROWS if opts["min_bytes"] <= n * row_bytes <= opts["max_bytes"]]
+    r = set_up(rank, world, port, opts, max(rows_list) * hidden)
+    g = torch.Generator().manual_seed(12345)  # the residual stream and weight: replicated
+    weight = torch.randn(hidden, generator=g).to(dtype).to(r.device)
+    report = Report(r, _format_row)
+    for rows in rows_list:
+        xs = [rank_input(q, rows * hidden, dtype).view(rows, hidden) for q in range(world)]
+        x = xs[rank].to(r.device)
+        residual = torch.randn(rows, hidden, generator=g).to(dtype).to(r.device)
+        y, res_out = r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
+        r.ar.synchronize()
+        wrong = _fused_wrong(r, y, res_out, xs, residual, weight, dtype_name)
+        scratch = x.clone()
+
+        def fused() -> None:
+            r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
+
+        def plain() -> None:
+            r.ar.all_reduce(x)
+
+        def unfused() -> None:
+            s = r.ar.all_reduce(x)
+            torch.nn.functional.rms_norm(s + residual, (hidden,), weight, _EPS)
+
+        def fallback() -> None:
+            scratch.copy_(x)
+            dist.all_reduce(scratch, group=r.group)
+            torch.nn.functional.rms_norm(scratch + residual, (hidden,), weight, _EPS)
+
+        variants = {"fused": fused, "plain": plain, "unfused": unfused, "fallback": fallback}
+        best = best_of_rounds(r, variants, opts)
+        report.add(
+            {
+                "size": rows * row_bytes,
+                "rows": rows,
+                "hidden": hidden,
+                "type": dtype_name,
+                "fused_us": best["fused"] * 1e6,
+                "plain_us": best["plain"] * 1e6,
+                "unfused_us": best["unfused"] * 1e6,
+                "fallback_us": best["fallback"] * 1e6,
+                "fused_over_plain": best["fused"] / best["plain"],
+                "unfused_over_fused": best["unfused"] / best["fused"],
+                "fallback_over_fused": best["fallback"] / best["fused"],
+                "wrong": wrong,
+                "path": (r.ar.fused_decline_reason(x, residual, weight) or r.ar.chosen_tactic(x)),
+            }
+        )
+    report.finish(queue)
+
+
+def _format_row(r: dict[str, Any]) -> str:
+    return (
+        f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['fused_us']:>9.2f} "
+        f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
+        f"{r['fused_over_plain']:>8.2f}x {r['unfused_over_fused']:>8.2f}x "
+        f"{r['fallback_over_fused']:>8.2f}x {r['wrong']:>6}  {r['path']}"
+    )
+
+
+def print_header(transport: str, world: int, dtype_name: str, hidden: int) -> None:
+    fallback = fallback_name(transport)
+    print_run(" --fused", transport, world, dtype_name, f" hidden={hidden}")
+    print(
+        "# fused: all_reduce_add_rms_norm; plain: our all_reduce alone; unfused: our "
+        f"all_reduce + torch add + rms_norm; fallback: {fallback} + torch add + rms_norm. "
+        "Best of interleaved rounds, us per call."
+    )
+    print(
+        f"# {'size(B)':>8} {'rows':>5} {'type':>5} {'fused':>9} {'plain':>9} {'unfused':>9} "
+        f"{'fallback':>9} {'fus/plain':>9} {'unf/fus':>9} {'fb/fus':>9} {'#wrong':>6}  path",
+        flush=True,
+    )
