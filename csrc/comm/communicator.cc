@@ -241,10 +241,14 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
     throw std::invalid_argument(std::string(op_name(op)) +
                                 " needs residual, weight and residual_out tensors");
   }
-  if (!args.out.defined()) {
-    std::vector<int64_t> sizes = args.inp.sizes().vec();
-    if (!sizes.empty()) sizes[0] = output_rows(op, sizes[0], std::max(options_.world, 1));
-    args.out = at::empty(sizes, args.inp.options());
+  if (!args.out.defined()) {  // the all-reduce's is shaped like its input: no sizes to build
+    if (op.collective == plan::Collective::kAllReduce) {
+      args.out = at::empty(args.inp.sizes(), args.inp.options());
+    } else {
+      std::vector<int64_t> sizes = args.inp.sizes().vec();
+      if (!sizes.empty()) sizes[0] = output_rows(op, sizes[0], std::max(options_.world, 1));
+      args.out = at::empty(sizes, args.inp.options());
+    }
   }
   if (has_epilogue(op) && !args.residual_out->defined()) {
     *args.residual_out = at::empty(args.residual->sizes(), args.residual->options());
