@@ -46,9 +46,12 @@ void check_no_internal_overlap(const at::Tensor& out) {
 
 // The autograd rules torch's own in-place and out= ops enforce: the op has no derivative, so
 // writing into a tensor that autograd tracks would silently break its gradient.
+// The op's name, for messages: built only on the way to a throw (every call checks).
+std::string name_of(Op op) { return std::string(op_name(op)); }
+
 void check_writable(Op op, const at::Tensor& out, bool in_place) {
-  const std::string name(op_name(op));
   if (out.requires_grad() && at::GradMode::is_enabled()) {
+    const std::string name = name_of(op);
     throw std::runtime_error(
         in_place && out.is_leaf()
             ? "a leaf Variable that requires grad is being used in an in-place operation (" + name +
@@ -61,7 +64,7 @@ void check_writable(Op op, const at::Tensor& out, bool in_place) {
   if (out.is_inference() && !c10::InferenceMode::is_enabled()) {
     throw std::runtime_error(
         "Inplace update to inference tensor outside InferenceMode is not allowed: the tensor " +
-        name +
+        name_of(op) +
         " writes was created in inference mode; call it inside torch.inference_mode() or "
         "clone() the tensor first");
   }
@@ -139,29 +142,31 @@ void check_fused(Op op, const OpArgs& a) {
 // Reduce-scatter and all-gather: along dim 0, out is inp with dim 0 divided or multiplied by
 // the world size, never in place.
 void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int world) {
-  const std::string name(op_name(op));
   const bool scatter = output_is_chunk(op);
   if (inp.dim() < 1) {
     throw std::invalid_argument(
-        name + " works along dim 0 and needs a tensor of at least one dimension; got a " +
+        name_of(op) + " works along dim 0 and needs a tensor of at least one dimension; got a " +
         describe(inp));
   }
   if (scatter && inp.size(0) % world != 0) {
-    throw std::invalid_argument(name + " needs dim 0 of the input divisible by the world size " +
+    throw std::invalid_argument(name_of(op) +
+                                " needs dim 0 of the input divisible by the world size " +
                                 std::to_string(world) + "; got a " + describe(inp));
   }
-  std::vector<int64_t> expected = inp.sizes().vec();
-  expected[0] = output_rows(op, expected[0], world);
-  if (out.scalar_type() != inp.scalar_type() || out.device() != inp.device() ||
-      !out.sizes().equals(expected)) {
-    throw std::invalid_argument(name + "'s out must have the input's dtype and device and shape " +
-                                c10::str(at::IntArrayRef(expected)) + " (dim 0 " +
-                                (scatter ? "divided" : "multiplied") + " by the world size " +
-                                std::to_string(world) + "): the input is a " + describe(inp) +
-                                ", out a " + describe(out));
+  const int64_t rows = output_rows(op, inp.size(0), world);
+  bool shaped = out.dim() == inp.dim() && out.size(0) == rows;
+  for (int64_t d = 1; shaped && d < inp.dim(); ++d) shaped = out.size(d) == inp.size(d);
+  if (out.scalar_type() != inp.scalar_type() || out.device() != inp.device() || !shaped) {
+    std::vector<int64_t> expected = inp.sizes().vec();
+    expected[0] = rows;
+    throw std::invalid_argument(
+        name_of(op) + "'s out must have the input's dtype and device and shape " +
+        c10::str(at::IntArrayRef(expected)) + " (dim 0 " + (scatter ? "divided" : "multiplied") +
+        " by the world size " + std::to_string(world) + "): the input is a " + describe(inp) +
+        ", out a " + describe(out));
   }
   if (may_overlap(inp, out)) {
-    throw std::invalid_argument(name + "'s out overlaps its input; pass a disjoint tensor");
+    throw std::invalid_argument(name_of(op) + "'s out overlaps its input; pass a disjoint tensor");
   }
   check_output(op, out, false);
 }

@@ -89,6 +89,7 @@ Communicator::Communicator(Options options)
   w.timeout_s = options_.timeout_s;
   w.pdl = options_.pdl;
   workspace_ = transport::make_workspace(w);
+  device_ = workspace_->device();
   decisions_.use_workspace(*workspace_);
 }
 
@@ -158,10 +159,6 @@ class Communicator::CallGuard {
  private:
   std::atomic<bool>& busy_;
 };
-
-std::optional<int> Communicator::device() const {
-  return workspace_ ? std::optional<int>(workspace_->device()) : std::nullopt;
-}
 
 Gate Communicator::gate() const {
   return Gate{options_, device(), failure_.has_value(), connected_};

@@ -131,7 +131,8 @@ class Communicator {
   struct Staged;
   class CallGuard;
   Gate gate() const;
-  std::optional<int> device() const;
+  // Where the tensors of a call must live (-1: the CPU); nullopt without a workspace.
+  std::optional<int> device() const { return device_; }
   void check_process() const;  // throws in a forked child
   // run() after the call is entered and its arguments checked; the fused call's unfused path
   // runs its all-reduce through it too.
@@ -150,6 +151,7 @@ class Communicator {
   Counters counters_;
   Decisions decisions_;
   std::unique_ptr<transport::Workspace> workspace_;
+  std::optional<int> device_;  // the workspace's, read once
   std::optional<plan::Diagnostic> failure_;
   std::atomic<bool> busy_{false};
   bool connected_ = false;
