@@ -4,7 +4,8 @@ Loading ``pcie_allreduce._C`` runs its ``TORCH_LIBRARY`` block, which defines th
 ``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}`` and the fused
 ``all_reduce_add_rms_norm{,_,_into}``, ``reduce_scatter{,_into}`` and
 ``all_gather{,_into}``; this module then
-registers their fake implementations, so ``torch.compile`` can trace a call before any op runs.
+registers their fake implementations, so ``torch.compile`` can trace a call before any op runs,
+and the functional ops' derivatives (``derivatives.py``), so autograd never passes one by silently.
 ``import pcie_allreduce`` does not import this module: a disabled engine plugin loads neither
 the extension nor torch. Every module that needs the extension imports ``_C`` from here.
 """
@@ -15,6 +16,8 @@ import importlib
 from typing import Any, TypeAlias
 
 import torch
+
+from . import derivatives
 
 _C = importlib.import_module("pcie_allreduce._C")
 
@@ -94,3 +97,6 @@ def _all_gather_fake(inp: torch.Tensor, world: int, handle: int) -> torch.Tensor
 @torch.library.register_fake("pcie_allreduce::all_gather_into")
 def _all_gather_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
     return None
+
+
+derivatives.register()
