@@ -57,7 +57,7 @@ py::dict diagnostic_dict(const plan::Diagnostic& d, const std::string& message) 
   out["kind"] = std::string(
       plan::kFailureKindNames.name_of(static_cast<plan::FailureKind>(d.kind), "unknown"));
   out["rank"] = d.rank;
-  out["peer"] = d.peer;
+  out["peer"] = d.peer == plan::kUnknownRank ? py::none() : py::object(py::int_(d.peer));
   out["step"] = d.step;
   out["stage"] = d.stage;
   out["block"] = d.block;

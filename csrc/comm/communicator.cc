@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "comm/fallback.h"
+#include "plan/epilogue.h"
 #include "plan/verify.h"
 #include "transport/workspace.h"
 
@@ -301,6 +302,9 @@ void Communicator::run_kernels(Op op, const Decision& decision, const Admission&
     call.epilogue.weight = s.weight.data_ptr();
     call.epilogue.hidden = s.inp.size(-1);
     call.epilogue.eps = static_cast<float>(eps);
+    // Ranks that disagree on eps or the row length fail at once, naming each other.
+    call.signature =
+        plan::epilogue_signature(decision.signature, call.epilogue.eps, call.epilogue.hidden);
   }
   try {
     workspace_->run(call);
@@ -314,15 +318,36 @@ void Communicator::run_kernels(Op op, const Decision& decision, const Admission&
 
 void Communicator::run_fallback(Op op, const Staged& s, double eps) {
   if (has_epilogue(op)) {
-    // The all-reduce as this communicator does it (kernels or the group's), then the add and
-    // the norm with the fused kernels' rounding points.
+    // The all-reduce as this communicator does it (kernels or the group's; an empty one meets no
+    // one), then the add and the norm with the fused kernels' rounding points.
     at::Tensor sum = s.out;
     execute(kAllReduce, OpArgs{s.inp, sum}, OnDecline::kFallback);
     add_rms_norm_in_order(sum, s.residual, s.weight, eps, s.out, s.residual_out);
     return;
   }
-  skip_call();  // first: a fallback that raises has still taken its generation
-  run_group_collective(op, options_.group_name, options_.world, s.inp, s.out);
+  // A call takes a generation only once it has met its peers, so that no rank is ever two calls
+  // ahead of a peer (the slots' parity double buffer relies on it): an empty call exchanges
+  // nothing and meets no one, so no rank takes one; any other takes it after the group's own
+  // collective completed, which every peer must have entered, so every peer has finished the
+  // call before. One whose collective raised took none (on every rank, when it raised alike).
+  if (s.inp.numel() == 0) return;
+  const Group group{options_.group_name, options_.world, options_.timeout_s, &interrupt_check_};
+  const GroupWait waited = run_group_collective(op, group, s.inp, s.out);
+  if (waited != GroupWait::kDone) group_failed(waited);
+  skip_call();
+}
+
+void Communicator::group_failed(GroupWait waited) {
+  plan::Diagnostic d{};
+  d.kind = static_cast<uint32_t>(waited == GroupWait::kInterrupted
+                                     ? plan::FailureKind::kInterrupted
+                                     : plan::FailureKind::kFallbackTimeout);
+  d.rank = static_cast<uint32_t>(options_.rank);
+  d.peer = plan::kUnknownRank;
+  failure_ = d;  // the group's collective is still pending: the ranks are out of step
+  const std::string message = plan::describe_failure(d, options_.timeout_s);
+  if (waited == GroupWait::kInterrupted) throw Interrupted(d, message);
+  throw Failure(d, message);
 }
 
 void Communicator::note_decline(Op op, Decline decline, const at::Tensor& t) {
@@ -381,6 +406,7 @@ void Communicator::raise_if_failed() {
 }
 
 void Communicator::set_interrupt_check(std::function<bool()> check) {
+  interrupt_check_ = check;  // the fallback's waits ask it too
   if (workspace_) workspace_->set_interrupt_check(std::move(check));
 }
 

@@ -27,6 +27,7 @@
 #include "comm/decisions.h"
 #include "comm/decline.h"
 #include "comm/errors.h"
+#include "comm/fallback.h"
 #include "comm/op.h"
 #include "comm/options.h"
 #include "comm/stats.h"
@@ -140,6 +141,9 @@ class Communicator {
   void run_kernels(Op op, const Decision& decision, const Admission& admission, const Staged& s,
                    double eps);
   void run_fallback(Op op, const Staged& s, double eps);
+  // The group's own collective did not complete (timed out, or interrupted): the communicator is
+  // failed, as after a kernel timeout, and the call raises Failure (Interrupted).
+  [[noreturn]] void group_failed(GroupWait waited);
   // The generation a fallback call takes (plan::skip_program) on a connected workspace.
   void skip_call();
   void note_decline(Op op, Decline decline, const at::Tensor& t);
@@ -153,6 +157,7 @@ class Communicator {
   std::unique_ptr<transport::Workspace> workspace_;
   std::optional<int> device_;  // the workspace's, read once
   std::optional<plan::Diagnostic> failure_;
+  std::function<bool()> interrupt_check_;  // Ctrl-C: the workspace's waits and the fallback's
   std::atomic<bool> busy_{false};
   bool connected_ = false;
   int skip_program_ = -1;  // plan::skip_program in the workspace, once connected

@@ -10,7 +10,12 @@
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
 
 #include "plan/epilogue.h"
 
@@ -40,13 +45,66 @@ at::Tensor mean_of_squares_in_order(const at::Tensor& rf) {
   return part.div(at::full_like(part, static_cast<double>(hidden)));
 }
 
+// The group's work, awaited in slices (Work::wait(timeout) throws when a slice passes without
+// completion; a completed work's own failure is rethrown).
+GroupWait await_bounded(c10d::Work& work, const Group& group) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  for (;;) {
+    try {
+      work.wait(std::chrono::milliseconds(20));
+      return GroupWait::kDone;
+    } catch (const c10::Error&) {
+      if (work.isCompleted()) throw;  // the collective failed: its own error
+    }
+    if (group.interrupted != nullptr && *group.interrupted && (*group.interrupted)()) {
+      return GroupWait::kInterrupted;
+    }
+    const std::chrono::duration<double> waited = Clock::now() - start;
+    if (group.timeout_s > 0 && waited.count() >= group.timeout_s) return GroupWait::kTimedOut;
+  }
+}
+
+// CPU tensors: the group's own work (gloo), awaited at most the timeout.
+GroupWait run_host_collective(Op op, const Group& group, const at::Tensor& inp,
+                              const at::Tensor& out) {
+  const c10::intrusive_ptr<c10d::ProcessGroup> pg = c10d::resolve_process_group(group.name);
+  at::Tensor in = inp;
+  at::Tensor o = out;
+  c10::intrusive_ptr<c10d::Work> work;
+  switch (op.collective) {
+    case plan::Collective::kAllReduce: {
+      if (!o.is_same(in)) o.copy_(in);
+      std::vector<at::Tensor> tensors{o};
+      work = pg->allreduce(tensors);
+      break;
+    }
+// _reduce_scatter_base and _allgather_base: the names every torch this package supports has
+// (2.14 calls them deprecated aliases of reduce_scatter_single / all_gather_single, which 2.11
+// lacks).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    case plan::Collective::kReduceScatter:
+      work = pg->_reduce_scatter_base(o, in);
+      break;
+    case plan::Collective::kAllGather:
+      work = pg->_allgather_base(o, in);
+      break;
+#pragma GCC diagnostic pop
+  }
+  return await_bounded(*work, group);
+}
+
 }  // namespace
 
-void run_group_collective(Op op, const std::string& group_name, int world, const at::Tensor& inp,
-                          const at::Tensor& out) {
-  if (group_name.empty()) {
+GroupWait run_group_collective(Op op, const Group& group, const at::Tensor& inp,
+                               const at::Tensor& out) {
+  if (group.name.empty()) {
     throw std::runtime_error("pcie_allreduce has no process group to fall back to");
   }
+  if (inp.is_cpu()) return run_host_collective(op, group, inp, out);
+  const std::string& group_name = group.name;
+  const int64_t world = group.world;
   static const c10::OperatorHandle all_reduce = c10d_op("_c10d_functional::all_reduce_");
   static const c10::OperatorHandle reduce_scatter =
       c10d_op("_c10d_functional::reduce_scatter_tensor");
@@ -60,13 +118,13 @@ void run_group_collective(Op op, const std::string& group_name, int world, const
       all_reduce.callBoxed(&stack);
       stack = {out};
       wait.callBoxed(&stack);
-      return;
+      return GroupWait::kDone;
     case plan::Collective::kReduceScatter:
-      stack = {inp, std::string("sum"), static_cast<int64_t>(world), group_name};
+      stack = {inp, std::string("sum"), world, group_name};
       reduce_scatter.callBoxed(&stack);
       break;
     case plan::Collective::kAllGather:
-      stack = {inp, static_cast<int64_t>(world), group_name};
+      stack = {inp, world, group_name};
       all_gather.callBoxed(&stack);
       break;
   }
@@ -74,6 +132,7 @@ void run_group_collective(Op op, const std::string& group_name, int world, const
   stack = {result};
   wait.callBoxed(&stack);
   out.copy_(result.view(out.sizes()));
+  return GroupWait::kDone;
 }
 
 void add_rms_norm_in_order(const at::Tensor& sum, const at::Tensor& residual,

@@ -6,17 +6,33 @@
 
 #include <ATen/Tensor.h>
 
+#include <functional>
 #include <string>
 
 #include "comm/op.h"
 
 namespace pcie_ar::comm {
 
-// `op`'s collective (never its epilogue) over the c10d group `group_name` of `world` ranks, from
-// `inp` into `out` (contiguous tensors; `out` may be `inp` for the all-reduce). Throws
-// std::runtime_error when there is no group to fall back to.
-void run_group_collective(Op op, const std::string& group_name, int world, const at::Tensor& inp,
-                          const at::Tensor& out);
+// The group a communicator falls back to, and how long its own collective may take.
+struct Group {
+  std::string name;  // the c10d group's registered name
+  int world = 0;
+  double timeout_s = 0;  // 0: forever
+  // Asked between slices of a wait: true abandons it (Ctrl-C). May be empty.
+  const std::function<bool()>* interrupted = nullptr;
+};
+
+enum class GroupWait { kDone, kTimedOut, kInterrupted };
+
+// `op`'s collective (never its epilogue) over `group`, from `inp` into `out` (contiguous
+// tensors; `out` may be `inp` for the all-reduce). CPU tensors: the group's work is awaited in
+// slices of 20 ms, at most group.timeout_s, asking group.interrupted between slices; kTimedOut
+// and kInterrupted leave the work pending in the group (the ranks are out of step: the caller
+// fails). CUDA tensors: enqueued on the stream (NCCL's watchdog bounds it); kDone. Throws
+// std::runtime_error when there is no group to fall back to, and whatever the collective itself
+// raises.
+GroupWait run_group_collective(Op op, const Group& group, const at::Tensor& inp,
+                               const at::Tensor& out);
 
 // residual_out = sum + residual, out = rms_norm(residual_out) * weight, each row of
 // sum.size(-1) elements, every fp32 step one IEEE operation in plan/epilogue.h's order: given the

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 namespace pcie_ar::plan {
 
@@ -33,6 +34,23 @@ static_assert((kNormPartials & (kNormPartials - 1)) == 0);
 // formed by one CTA, so a row fits the executors' per-row loops. Engines' hidden sizes (896 ..
 // 16384) are far inside.
 inline constexpr int64_t kMaxEpilogueHidden = 65536;
+
+// The fused call's signature (plan::call_signature with fused=true) with its eps and row length
+// mixed into the low 20 bits: ranks that pass different eps, or split the same message into rows
+// of different lengths, would each normalise differently and return different y; their flags,
+// LL tags and lamport headers now disagree, so they fail at once naming each other. The top byte
+// (the kind of call) and the dtype are kept.
+inline uint32_t epilogue_signature(uint32_t signature, float eps, int64_t hidden) {
+  uint32_t eps_bits = 0;
+  __builtin_memcpy(&eps_bits, &eps, sizeof(eps_bits));
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over eps's bits and hidden's
+  for (const uint64_t word : {static_cast<uint64_t>(eps_bits), static_cast<uint64_t>(hidden)}) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h = (h ^ ((word >> (8 * byte)) & 0xFFu)) * 1099511628211ull;
+    }
+  }
+  return signature ^ (static_cast<uint32_t>(h ^ (h >> 32)) & 0x000FFFFFu);
+}
 
 // What an epilogue call carries beside the all-reduce's input and output.
 struct EpilogueArgs {

@@ -74,11 +74,26 @@ std::string describe_failure(const Diagnostic& d, double timeout_s) {
                     d.peer_signature, d.peer);
       return buf;
     case FailureKind::kInterrupted:
+      if (d.peer == kUnknownRank) {
+        std::snprintf(buf, sizeof(buf),
+                      "rank %u was interrupted (a signal, such as Ctrl-C) while waiting in the "
+                      "group's own collective (the fallback of a call the kernels declined), and "
+                      "abandoned the call mid-way: its peers time out waiting for it",
+                      d.rank);
+        return buf;
+      }
       std::snprintf(buf, sizeof(buf),
                     "rank %u was interrupted (a signal, such as Ctrl-C) at step %u (stage %u, "
                     "block %u) while waiting for rank %u, and abandoned the call mid-way: its "
                     "peers time out waiting for it",
                     d.rank, d.step, d.stage, d.block, d.peer);
+      return buf;
+    case FailureKind::kFallbackTimeout:
+      std::snprintf(buf, sizeof(buf),
+                    "rank %u timed out%s in the group's own collective (the fallback of a call the "
+                    "kernels declined): a peer took the kernels for this call (the ranks disagree "
+                    "about it), is slower than PCIE_ALLREDUCE_TIMEOUT_S, or is gone",
+                    d.rank, after_text(timeout_s).c_str());
       return buf;
     default:
       return "no failure recorded";

@@ -109,6 +109,9 @@ enum class FailureKind : uint32_t {
   kLLTimeout = 3,    // an LL vector never arrived
   kLLMismatch = 4,   // an LL vector arrived tagged for a different call or generation
   kInterrupted = 5,  // this rank abandoned the call in a wait (a signal: Ctrl-C); host only
+  // The group's own collective (the fallback of a call the kernels declined) did not complete in
+  // time: a peer took the kernels for this call, or is gone. Recorded by the communicator only.
+  kFallbackTimeout = 6,
 };
 inline constexpr auto kFailureKindNames =
     name_table<FailureKind>("failure kind", {{FailureKind::kNone, "none"},
@@ -116,7 +119,11 @@ inline constexpr auto kFailureKindNames =
                                              {FailureKind::kMismatch, "mismatch"},
                                              {FailureKind::kLLTimeout, "ll_timeout"},
                                              {FailureKind::kLLMismatch, "ll_mismatch"},
-                                             {FailureKind::kInterrupted, "interrupted"}});
+                                             {FailureKind::kInterrupted, "interrupted"},
+                                             {FailureKind::kFallbackTimeout, "fallback_timeout"}});
+// A diagnostic's peer when no one peer can be named (the group's collective does not say which
+// rank it waits for).
+inline constexpr uint32_t kUnknownRank = 0xFFFFFFFFu;
 
 // What an executor records before it fails, where the host can read it (mapped host memory on
 // the GPU). All fields are plain words so a kernel can write them without a format.

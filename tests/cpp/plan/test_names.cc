@@ -69,7 +69,7 @@ TEST(Names, TransportsHaveTheirFilesNamesAndTheOldNamesAsAliases) {
 TEST(Names, DiagnosticsAndStepsNameEveryValue) {
   EXPECT_EQ(plan::kFailureKindNames.names(),
             (std::vector<std::string_view>{"none", "timeout", "mismatch", "ll_timeout",
-                                           "ll_mismatch", "interrupted"}));
+                                           "ll_mismatch", "interrupted", "fallback_timeout"}));
   EXPECT_EQ(plan::kStepKindNames.names(),
             (std::vector<std::string_view>{"reduce", "signal", "wait", "epilogue"}));
   EXPECT_EQ(plan::kSpaceNames.names(),

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/program_check.h"
 #include "plan/schedule.h"
@@ -886,6 +887,23 @@ TEST(Layout, SlicesCoverEveryVectorExactlyOnce) {
       }
     }
   }
+}
+
+// The fused call's eps and row length are part of what its peers must agree on: another eps or
+// hidden changes the signature (and so every flag, LL tag and lamport header of the call) but
+// keeps its kind and dtype, and the same ones give the same signature on every rank.
+TEST(Tactic, TheFusedCallsSignatureCarriesItsEpsAndRowLength) {
+  const uint32_t fused = call_signature(DType::kBF16, Tactic{}, /*fused=*/true);
+  const uint32_t base = epilogue_signature(fused, 1e-6f, 4096);
+  EXPECT_EQ(epilogue_signature(fused, 1e-6f, 4096), base);
+  std::set<uint32_t> seen{base};
+  for (const float eps : {1e-5f, 1e-6f * (1.0f + 1e-7f), 0.0f, -0.0f}) {
+    EXPECT_TRUE(seen.insert(epilogue_signature(fused, eps, 4096)).second) << eps;
+  }
+  for (const int64_t hidden : {2048, 4104, 8192, 65536}) {
+    EXPECT_TRUE(seen.insert(epilogue_signature(fused, 1e-6f, hidden)).second) << hidden;
+  }
+  for (const uint32_t s : seen) EXPECT_EQ(s & 0xFFF00000u, fused & 0xFFF00000u);
 }
 
 TEST(Tactic, NamesRoundTripAndSignaturesDiffer) {

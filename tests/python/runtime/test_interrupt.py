@@ -16,7 +16,7 @@ import torch.distributed as dist
 from conftest import run_ranks
 
 
-def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place):
+def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place, declined=False):
     from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
 
     ar = PcieAllReduce(None, "cpu", max_numel=1024, timeout_s=timeout_s)
@@ -33,7 +33,8 @@ def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place):
 
         timer = threading.Timer(0.5, ctrl_c)
         timer.start()
-        x = torch.ones(256)
+        # Declined: too large for the workspace, so the wait is in the group's own all-reduce.
+        x = torch.ones(2048 if declined else 256)
         try:
             if in_place:
                 ar.all_reduce_(x)
@@ -50,8 +51,13 @@ def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place):
         except PcieAllReduceTimeout as error:
             out["second"] = str(error)
             out["kind"] = error.diagnostic["kind"]
-    # Rank 1 never calls: it waits for rank 0 to be done with its attempts.
-    dist.barrier()
+    if declined:
+        # Rank 0's abandoned all-reduce is still pending in the group: no collective of the group
+        # may follow it. Rank 1 waits long enough for rank 0's attempts instead.
+        time.sleep(3.0 if rank == 1 else 0.0)
+    else:
+        # Rank 1 never calls: it waits for rank 0 to be done with its attempts.
+        dist.barrier()
     ar.destroy()
     return out
 
@@ -69,3 +75,14 @@ def test_ctrl_c_ends_a_wait_at_once_and_leaves_the_communicator_failed(
     )  # a wait asks every 20 ms; the deadline is 30 s or never
     assert res["kind"] == "interrupted", res
     assert "rank 0 was interrupted" in res["second"] and "failed earlier" in res["second"], res
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0])
+def test_ctrl_c_ends_a_wait_in_the_groups_own_collective_at_once(timeout_s, clean_shm):
+    res = run_ranks(
+        _interrupted_while_the_peer_stays_away, 2, timeout_s, False, True, timeout=120
+    ).values()[0]
+    assert res["first"] == "KeyboardInterrupt", res
+    assert res["after_signal_s"] < 1.0, res  # the fallback's wait asks every 20 ms
+    assert res["kind"] == "interrupted", res
+    assert "group's own collective" in res["second"] and "failed earlier" in res["second"], res
