@@ -3,9 +3,9 @@
 Loading ``pcie_allreduce._C`` runs its ``TORCH_LIBRARY`` block, which defines the torch ops
 ``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}`` and the fused
 ``all_reduce_add_rms_norm{,_,_into}``, ``reduce_scatter{,_into}`` and
-``all_gather{,_into}``; this module then
-registers their fake implementations, so ``torch.compile`` can trace a call before any op runs,
-and the functional ops' derivatives (``derivatives.py``), so autograd never passes one by silently.
+``all_gather{,_into}``, and the functional ops' derivatives (``csrc/bindings/derivatives.cc``,
+so autograd never passes one by silently); this module then registers their fake
+implementations, so ``torch.compile`` can trace a call before any op runs.
 ``import pcie_allreduce`` does not import this module: a disabled engine plugin loads neither
 the extension nor torch. Every module that needs the extension imports ``_C`` from here.
 """
@@ -16,8 +16,6 @@ import importlib
 from typing import Any, TypeAlias
 
 import torch
-
-from . import derivatives
 
 _C = importlib.import_module("pcie_allreduce._C")
 
@@ -97,6 +95,3 @@ def _all_gather_fake(inp: torch.Tensor, world: int, handle: int) -> torch.Tensor
 @torch.library.register_fake("pcie_allreduce::all_gather_into")
 def _all_gather_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
     return None
-
-
-derivatives.register()
