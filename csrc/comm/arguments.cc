@@ -7,6 +7,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -35,6 +36,43 @@ bool like(const at::Tensor& a, const at::Tensor& b) {
          a.device() == b.device();
 }
 
+// Messages start with the op the caller called (built only on the way to a throw: every call
+// checks).
+std::string name_of(Op op) { return std::string(op_name(op)); }
+std::string prefix(Op op) { return name_of(op) + ": "; }
+
+// A tensor of the call under the name the caller gave it (the fused call's signature names its
+// input x); null or undefined: not passed (an output the call allocates).
+struct Operand {
+  const char* name;
+  const at::Tensor* tensor;
+  bool given() const { return tensor != nullptr && tensor->defined(); }
+};
+
+enum Slot : size_t { kInput, kOut, kResidual, kWeight, kResidualOut };
+
+std::array<Operand, 5> operands(Op op, const OpArgs& a) {
+  return {{{has_epilogue(op) ? "x" : "the input", &a.inp},
+           {"out", &a.out},
+           {"residual", a.residual},
+           {"weight", a.weight},
+           {"residual_out", a.residual_out}}};
+}
+
+// ------------------------------------------------------------------ the device
+
+void check_device(const at::Tensor& inp, int device) {
+  const bool here =
+      device < 0 ? inp.device().is_cpu() : inp.is_cuda() && inp.device().index() == device;
+  if (!here) {
+    throw std::invalid_argument(
+        "the input is a " + describe(inp) + "; this communicator all-reduces tensors on " +
+        (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)));
+  }
+}
+
+// ------------------------------------------------------------------ written tensors
+
 // A written-to tensor whose elements share memory (an expand) would be written twice.
 void check_no_internal_overlap(const at::Tensor& out) {
   if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
@@ -46,9 +84,6 @@ void check_no_internal_overlap(const at::Tensor& out) {
 
 // The autograd rules torch's own in-place and out= ops enforce: the op has no derivative, so
 // writing into a tensor that autograd tracks would silently break its gradient.
-// The op's name, for messages: built only on the way to a throw (every call checks).
-std::string name_of(Op op) { return std::string(op_name(op)); }
-
 void check_writable(Op op, const at::Tensor& out, bool in_place) {
   if (out.requires_grad() && at::GradMode::is_enabled()) {
     const std::string name = name_of(op);
@@ -75,18 +110,11 @@ void check_output(Op op, const at::Tensor& out, bool in_place) {
   check_no_internal_overlap(out);
 }
 
-void check_device(const at::Tensor& inp, int device) {
-  const bool here =
-      device < 0 ? inp.device().is_cpu() : inp.is_cuda() && inp.device().index() == device;
-  if (!here) {
-    throw std::invalid_argument(
-        "the input is a " + describe(inp) + "; this communicator all-reduces tensors on " +
-        (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)));
-  }
-}
+// ------------------------------------------------------------------ each op's tensors
 
-// The all-reduce's out, and the fused call's: like the input, or the input itself.
-void check_same_shape_output(Op op, const at::Tensor& inp, const at::Tensor& out) {
+// The all-reduce's out: like the input, or the input itself.
+void check_all_reduce(Op op, const at::Tensor& inp, const at::Tensor& out) {
+  if (!out.defined()) return;
   if (!out.is_same(inp)) {
     if (!like(out, inp)) {
       throw std::invalid_argument(
@@ -102,41 +130,62 @@ void check_same_shape_output(Op op, const at::Tensor& inp, const at::Tensor& out
   check_output(op, out, out.is_same(inp));
 }
 
+// One of the fused call's outputs (out, which may be x; residual_out, which may be residual):
+// shaped like x, overlapping no input but the one it may be. The weight is read while both are
+// written, so it overlaps neither.
+void check_fused_output(Op op, const OpArgs& a, Slot output, Slot may_be) {
+  const std::array<Operand, 5> named = operands(op, a);
+  const Operand& o = named[output];
+  if (!o.given()) return;
+  const at::Tensor& t = *o.tensor;
+  if (!like(t, a.inp)) {
+    throw std::invalid_argument(prefix(op) + o.name +
+                                " must have x's dtype, shape and device: x is a " +
+                                describe(a.inp) + ", " + o.name + " a " + describe(t));
+  }
+  const char* of = named[may_be].name;
+  const bool in_place = t.is_same(*named[may_be].tensor);
+  for (const Slot i : {kInput, kResidual, kWeight}) {  // the other output: check_fused
+    if ((i == may_be && in_place) || !may_overlap(t, *named[i].tensor)) continue;
+    throw std::invalid_argument(prefix(op) + o.name + " overlaps " + named[i].name +
+                                (i == may_be ? " without being " + std::string(of) : "") + "; " +
+                                o.name + " may be " + of +
+                                " (in place) but may not overlap any other operand: pass " + of +
+                                " itself or a disjoint tensor");
+  }
+  check_output(op, t, in_place);
+}
+
 void check_fused(Op op, const OpArgs& a) {
   const at::Tensor& x = a.inp;
+  if (a.residual == nullptr || a.weight == nullptr || !a.residual->defined() ||
+      !a.weight->defined()) {
+    throw std::invalid_argument(prefix(op) + "needs residual and weight tensors");
+  }
   const at::Tensor& residual = *a.residual;
   const at::Tensor& weight = *a.weight;
-  const at::Tensor& out = a.out;
-  const at::Tensor& residual_out = *a.residual_out;
   if (x.dim() < 1) {
     throw std::invalid_argument(
-        "all_reduce_add_rms_norm needs x of at least one dimension (rows of hidden); got a " +
-        describe(x));
+        prefix(op) + "needs x of at least one dimension (rows of hidden); got a " + describe(x));
   }
   const int64_t hidden = x.size(-1);
   if (!like(residual, x)) {
-    throw std::invalid_argument("residual must have x's dtype, shape and device: x is a " +
+    throw std::invalid_argument(prefix(op) +
+                                "residual must have x's dtype, shape and device: x is a " +
                                 describe(x) + ", residual a " + describe(residual));
   }
   if (weight.dim() != 1 || weight.size(0) != hidden || weight.device() != x.device()) {
-    throw std::invalid_argument("weight must be [hidden] = [" + std::to_string(hidden) +
-                                "] on x's device: x is a " + describe(x) + ", weight a " +
-                                describe(weight));
+    throw std::invalid_argument(prefix(op) + "weight must be [hidden] = [" +
+                                std::to_string(hidden) + "] on x's device: x is a " + describe(x) +
+                                ", weight a " + describe(weight));
   }
-  if (!like(out, x) || !like(residual_out, x)) {
-    throw std::invalid_argument(
-        "out and residual_out must have x's dtype, shape and device: x is a " + describe(x) +
-        ", out a " + describe(out) + ", residual_out a " + describe(residual_out));
+  check_fused_output(op, a, kOut, kInput);
+  check_fused_output(op, a, kResidualOut, kResidual);
+  if (a.out.defined() && a.residual_out != nullptr && a.residual_out->defined() &&
+      may_overlap(a.out, *a.residual_out)) {
+    throw std::invalid_argument(prefix(op) +
+                                "out overlaps residual_out; the two outputs must be disjoint");
   }
-  auto apart = [](const at::Tensor& p, const at::Tensor& q) { return !may_overlap(p, q); };
-  if (!(out.is_same(x) || apart(out, x)) ||
-      !(residual_out.is_same(residual) || apart(residual_out, residual)) || !apart(out, residual) ||
-      !apart(out, residual_out) || !apart(residual_out, x)) {
-    throw std::invalid_argument(
-        "all_reduce_add_rms_norm writes out and residual_out: out may be x and residual_out may "
-        "be residual (in place), but they may not overlap each other or any other operand");
-  }
-  check_output(op, residual_out, residual_out.is_same(residual));  // out: with the all-reduce's
 }
 
 // Reduce-scatter and all-gather: along dim 0, out is inp with dim 0 divided or multiplied by
@@ -153,6 +202,7 @@ void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int w
                                 " needs dim 0 of the input divisible by the world size " +
                                 std::to_string(world) + "; got a " + describe(inp));
   }
+  if (!out.defined()) return;
   const int64_t rows = output_rows(op, inp.size(0), world);
   bool shaped = out.dim() == inp.dim() && out.size(0) == rows;
   for (int64_t d = 1; shaped && d < inp.dim(); ++d) shaped = out.size(d) == inp.size(d);
@@ -177,10 +227,11 @@ void check_args(Op op, const OpArgs& a, int world, std::optional<int> device) {
   if (device) check_device(a.inp, *device);
   if (op.collective != plan::Collective::kAllReduce) {
     check_collective(op, a.inp, a.out, std::max(world, 1));
-    return;
+  } else if (has_epilogue(op)) {
+    check_fused(op, a);
+  } else {
+    check_all_reduce(op, a.inp, a.out);
   }
-  check_same_shape_output(op, a.inp, a.out);
-  if (has_epilogue(op)) check_fused(op, a);
 }
 
 bool executor_ready(const at::Tensor& t) {
