@@ -290,6 +290,8 @@ void bind_communicator(py::module_& m) {
       .def("stats", [](const Communicator& c) { return stats_dict(c.stats()); });
 
   m.def("register_communicator", &comm::register_communicator);
+  m.def("lookup_communicator", &comm::lookup_communicator, py::arg("handle"),
+        "The communicator a torch op's handle names (ValueError once it is destroyed).");
   m.def("unregister_communicator", &comm::unregister_communicator);
 }
 

@@ -61,13 +61,26 @@ std::array<Operand, 5> operands(Op op, const OpArgs& a) {
 
 // ------------------------------------------------------------------ the device
 
-void check_device(const at::Tensor& inp, int device) {
-  const bool here =
-      device < 0 ? inp.device().is_cpu() : inp.is_cuda() && inp.device().index() == device;
-  if (!here) {
-    throw std::invalid_argument(
-        "the input is a " + describe(inp) + "; this communicator all-reduces tensors on " +
-        (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)));
+std::string device_name(int device) {
+  return device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device);
+}
+
+// Every operand on the communicator's device. A tensor elsewhere is a programming error, never a
+// decline; a meta tensor holds no data to communicate (and the torch ops' Meta kernels send a
+// real call with one here). Without a workspace every operand must be on the input's device.
+void check_devices(Op op, const OpArgs& a, std::optional<int> device) {
+  for (const Operand& o : operands(op, a)) {
+    if (!o.given()) continue;
+    const at::Tensor& t = *o.tensor;
+    const bool here =
+        device ? (*device < 0 ? t.device().is_cpu() : t.is_cuda() && t.device().index() == *device)
+               : t.device() == a.inp.device() && !t.is_meta();
+    if (!here) {
+      throw std::invalid_argument(
+          prefix(op) + o.name + " is a " + describe(t) + "; this communicator runs on " +
+          (device ? device_name(*device) : "the input's device (never meta)") + ": pass " + o.name +
+          " there");
+    }
   }
 }
 
@@ -174,7 +187,7 @@ void check_fused(Op op, const OpArgs& a) {
                                 "residual must have x's dtype, shape and device: x is a " +
                                 describe(x) + ", residual a " + describe(residual));
   }
-  if (weight.dim() != 1 || weight.size(0) != hidden || weight.device() != x.device()) {
+  if (weight.dim() != 1 || weight.size(0) != hidden) {
     throw std::invalid_argument(prefix(op) + "weight must be [hidden] = [" +
                                 std::to_string(hidden) + "] on x's device: x is a " + describe(x) +
                                 ", weight a " + describe(weight));
@@ -224,7 +237,7 @@ void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int w
 }  // namespace
 
 void check_args(Op op, const OpArgs& a, int world, std::optional<int> device) {
-  if (device) check_device(a.inp, *device);
+  check_devices(op, a, device);
   if (op.collective != plan::Collective::kAllReduce) {
     check_collective(op, a.inp, a.out, std::max(world, 1));
   } else if (has_epilogue(op)) {

@@ -24,12 +24,13 @@ struct OpArgs {
 };
 
 // Raises std::invalid_argument (or std::runtime_error for the autograd rules torch's own in-place
-// and out= ops enforce) when `args` cannot be a call of `op` on this communicator: an input on
-// another device than `device` (-1: the CPU; nullopt: no workspace, any device), outputs of the
-// wrong dtype, shape or device, outputs that overlap any operand other than the one they may be
-// in place of (the fused call's weight included), or that overlap themselves (an expand), a
-// reduce-scatter input whose dim 0 is not a multiple of `world`. An undefined output (one the
-// call allocates) is not checked. The message says what was passed and what was expected.
+// and out= ops enforce) when `args` cannot be a call of `op` on this communicator: any operand on
+// another device than `device` (-1: the CPU; nullopt: no workspace, so the input's) or on meta;
+// outputs of the wrong dtype or shape, outputs that overlap any operand other than the one they
+// may be in place of (the fused call's weight included), or that overlap themselves (an
+// expand); a reduce-scatter input whose dim 0 is not a multiple of `world`. An undefined output
+// (one the call allocates) is not checked. The message says what was passed and what was
+// expected.
 void check_args(Op op, const OpArgs& args, int world, std::optional<int> device);
 
 // Where the kernels can address a tensor directly: one dense, 16-byte aligned run of elements.

@@ -264,6 +264,7 @@ TEST(CommunicatorArgs, EveryOperandIsCheckedAndNamedBeforeAnyCommunication) {
   CommGroup group(2, kTableA, 4096);
   group.each([&](int rank, Communicator& c) {
     const Tensors t(rank, 2);
+    const at::Tensor meta_weight = at::empty({kHidden}, at::TensorOptions().device(at::kMeta));
     // Copies of a tensor are the same tensor (in place), an undefined one is allocated.
     const auto fused = [&](at::Tensor out, at::Tensor residual, at::Tensor weight,
                            at::Tensor residual_out) {
@@ -278,6 +279,13 @@ TEST(CommunicatorArgs, EveryOperandIsCheckedAndNamedBeforeAnyCommunication) {
          fused(fresh, residual, residual[0], residual)},
         {"all_reduce_add_rms_norm: out overlaps x",
          fused(t.x.view_as(t.x), t.residual, t.weight, fresh)},
+        {"all_reduce_add_rms_norm: weight is a Float [96] on meta; this communicator runs on cpu",
+         fused(fresh, t.residual, meta_weight, fresh)},
+        {"all_gather: out is a Float [8, 96] on meta",
+         [&] {
+           at::Tensor out = at::empty({8, kHidden}, at::TensorOptions().device(at::kMeta));
+           c.run(kAllGather, {t.piece, out});
+         }},
     };
     for (const auto& [expected, call] : cases) {
       const std::string got = refusal(call);

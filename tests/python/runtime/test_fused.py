@@ -308,13 +308,14 @@ def test_a_rank_in_the_fused_call_and_a_peer_in_the_plain_one_fail_naming_each_o
 
 def _bad_output_combinations(rank, world):
     """Every combination of out / residual_out the caller may pass (None, x, residual, a given
-    tensor, overlapping views, another dtype or shape) and a weight inside an output: each raises
-    ValueError on every rank before any rank talks, naming the fused call and the argument, and
-    leaves every tensor as it was."""
+    tensor, overlapping views, another dtype, shape or device), a weight inside an output, and
+    operands on the meta device: each raises ValueError on every rank before any rank talks,
+    naming the fused call and the argument, and leaves every tensor as it was."""
     from pcie_allreduce import PcieAllReduce
 
     dtype = torch.bfloat16
     rows, hidden = 2, 512
+    meta = torch.device("meta")
     # x and residual are the first rows of buffers one row longer: the row after them is a view
     # that overlaps them partially.
     xbuf = rank_input(rank, (rows + 1) * hidden, dtype, seed=7).view(rows + 1, hidden)
@@ -336,6 +337,10 @@ def _bad_output_combinations(rank, world):
         "out=x residual_out=overlapping residual": (
             {"out": x, "residual_out": rbuf[1:]},
             "residual_out overlaps residual",
+        ),
+        "out=x residual_out=meta": (
+            {"out": x, "residual_out": torch.empty(rows, hidden, dtype=dtype, device=meta)},
+            "residual_out is a BFloat16 [2, 512] on meta",
         ),
         "residual_out=residual out=residual": (
             {"out": residual, "residual_out": residual},
@@ -369,6 +374,14 @@ def _bad_output_combinations(rank, world):
         "weight in residual, residual_out=residual": (
             {"out": x, "residual_out": residual, "weight": residual[0]},
             "residual_out overlaps weight",
+        ),
+        # operands on the meta device
+        "weight on meta": ({"weight": weight.to(meta)}, "weight is a BFloat16 [512] on meta"),
+        "residual on meta": ({"residual": residual.to(meta)}, "residual is a BFloat16"),
+        "x on meta": ({"x": x.to(meta)}, "x is a BFloat16 [2, 512] on meta"),
+        "out on meta": (
+            {"out": given.to(meta), "residual_out": torch.zeros_like(residual)},
+            "out is a BFloat16 [2, 512] on meta",
         ),
     }
     errors = {}
