@@ -4,12 +4,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <array>
 #include <optional>
 #include <stdexcept>
+#include <string_view>
 #include <vector>
 
 #include "plan/layout.h"
@@ -84,43 +86,97 @@ void check_devices(Op op, const OpArgs& a, std::optional<int> device) {
   }
 }
 
-// ------------------------------------------------------------------ written tensors
+// ------------------------------------------------------------------ the group's dtypes
 
-// A written-to tensor whose elements share memory (an expand) would be written twice.
-void check_no_internal_overlap(const at::Tensor& out) {
-  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
-    throw std::invalid_argument(
-        "unsupported operation: more than one element of the written-to tensor refers to a "
-        "single memory location (an expanded or overlapping view); clone() it first");
-  }
+// What the group's own collective takes, which runs every call the kernels decline (comm/fallback):
+// a dtype it cannot take would fail inside it after the call took a generation. The dtype is part
+// of what every rank agrees on, so every rank refuses the call alike, before any communication.
+// gloo (CPU tensors), measured on torch 2.14 for all_reduce_, reduce_scatter_tensor and
+// all_gather_into_tensor alike: int16, uint16/32/64 and every float8 raise "Invalid scalar type".
+constexpr std::array kGlooDtypes = {at::kBool,   at::kByte,         at::kChar,         at::kInt,
+                                    at::kLong,   at::kHalf,         at::kBFloat16,     at::kFloat,
+                                    at::kDouble, at::kComplexFloat, at::kComplexDouble};
+// NCCL (CUDA tensors), conservatively: the types every NCCL that torch ships sums. float8 (e4m3fn,
+// e5m2) is only moved (all-gather), never summed: torch refuses float8 NCCL reductions.
+constexpr std::array kNcclDtypes = {at::kChar, at::kByte,     at::kInt,   at::kLong,
+                                    at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+constexpr std::array kNcclMovedDtypes = {at::kFloat8_e4m3fn, at::kFloat8_e5m2};
+
+template <size_t N>
+bool listed(const std::array<at::ScalarType, N>& dtypes, at::ScalarType t) {
+  return std::find(dtypes.begin(), dtypes.end(), t) != dtypes.end();
 }
 
-// The autograd rules torch's own in-place and out= ops enforce: the op has no derivative, so
-// writing into a tensor that autograd tracks would silently break its gradient.
-void check_writable(Op op, const at::Tensor& out, bool in_place) {
+bool group_takes(Op op, at::ScalarType t, bool cuda) {
+  if (!cuda) return listed(kGlooDtypes, t);
+  return listed(kNcclDtypes, t) ||
+         (op.collective == plan::Collective::kAllGather && listed(kNcclMovedDtypes, t));
+}
+
+std::string torch_name(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
+template <size_t N>
+void append_names(std::string& out, const std::array<at::ScalarType, N>& dtypes) {
+  for (const at::ScalarType t : dtypes) out += (out.empty() ? "" : ", ") + torch_name(t);
+}
+
+void check_group_dtype(Op op, const at::Tensor& inp) {
+  const bool cuda = inp.is_cuda();
+  if (group_takes(op, inp.scalar_type(), cuda)) return;
+  std::string accepted;
+  if (!cuda) {
+    append_names(accepted, kGlooDtypes);
+  } else {
+    append_names(accepted, kNcclDtypes);
+    if (op.collective == plan::Collective::kAllGather) append_names(accepted, kNcclMovedDtypes);
+  }
+  throw std::invalid_argument(
+      prefix(op) + (has_epilogue(op) ? "x" : "the input") + " is " + torch_name(inp.scalar_type()) +
+      ", a dtype the group's own collective (" + (cuda ? "NCCL" : "gloo") +
+      ": the path of every call the kernels decline) cannot take; pass one of " + accepted);
+}
+
+// ------------------------------------------------------------------ written tensors
+
+// How the call that writes `arg` reads in messages: all_reduce_ (in place), all_reduce(out=),
+// all_reduce_add_rms_norm(residual_out=residual) (in place of residual).
+std::string writer(Op op, std::string_view arg, const char* in_place_of) {
+  if (in_place_of != nullptr && !has_epilogue(op)) return name_of(op) + "_";
+  return name_of(op) + "(" + std::string(arg) + "=" + (in_place_of ? in_place_of : "") + ")";
+}
+
+// Torch's own rules for a tensor an op writes (`arg`, in place of the operand `in_place_of` or
+// null): autograd's (the op has no derivative, so writing into a tensor autograd tracks would
+// silently break its gradient; std::runtime_error, torch's wording), inference mode's, and no
+// element written twice (an expand).
+void check_written(Op op, const at::Tensor& out, std::string_view arg, const char* in_place_of) {
+  const auto what = [&] { return in_place_of ? std::string(in_place_of) : std::string(arg); };
   if (out.requires_grad() && at::GradMode::is_enabled()) {
-    const std::string name = name_of(op);
     throw std::runtime_error(
-        in_place && out.is_leaf()
-            ? "a leaf Variable that requires grad is being used in an in-place operation (" + name +
-                  "_); call it under torch.no_grad() or on a tensor that does not require "
-                  "grad"
-            : (in_place ? name + "_" : name + "(out=)") +
-                  " has no derivative, but the tensor it writes requires grad; call it under "
-                  "torch.no_grad() or on a detached tensor");
+        in_place_of && out.is_leaf()
+            ? "a leaf Variable that requires grad is being used in an in-place operation (" +
+                  writer(op, arg, in_place_of) +
+                  "); call it under torch.no_grad() or on a tensor that does not require grad"
+            : writer(op, arg, in_place_of) + " has no derivative, but " + what() +
+                  ", which it writes, requires grad; call it under torch.no_grad() or on a "
+                  "detached tensor");
   }
   if (out.is_inference() && !c10::InferenceMode::is_enabled()) {
     throw std::runtime_error(
-        "Inplace update to inference tensor outside InferenceMode is not allowed: the tensor " +
-        name_of(op) +
-        " writes was created in inference mode; call it inside torch.inference_mode() or "
+        "Inplace update to inference tensor outside InferenceMode is not allowed: " +
+        writer(op, arg, in_place_of) + " writes " + what() +
+        ", which was created in inference mode; call it inside torch.inference_mode() or "
         "clone() the tensor first");
   }
-}
-
-void check_output(Op op, const at::Tensor& out, bool in_place) {
-  check_writable(op, out, in_place);
-  check_no_internal_overlap(out);
+  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
+    throw std::invalid_argument(
+        prefix(op) + "unsupported operation: more than one element of the written-to tensor (" +
+        what() +
+        ") refers to a single memory location (an expanded or overlapping view); clone() it "
+        "first");
+  }
 }
 
 // ------------------------------------------------------------------ each op's tensors
@@ -131,16 +187,17 @@ void check_all_reduce(Op op, const at::Tensor& inp, const at::Tensor& out) {
   if (!out.is_same(inp)) {
     if (!like(out, inp)) {
       throw std::invalid_argument(
-          "out must have the input's dtype, shape and device: the input is a " + describe(inp) +
-          ", out a " + describe(out));
+          prefix(op) + "out must have the input's dtype, shape and device: the input is a " +
+          describe(inp) + ", out a " + describe(out));
     }
     if (may_overlap(inp, out)) {
       throw std::invalid_argument(
+          prefix(op) +
           "out overlaps the input without being the same tensor; pass the input itself for an "
           "in-place all-reduce (all_reduce_) or a disjoint tensor");
     }
   }
-  check_output(op, out, out.is_same(inp));
+  check_written(op, out, "out", out.is_same(inp) ? "the input" : nullptr);
 }
 
 // One of the fused call's outputs (out, which may be x; residual_out, which may be residual):
@@ -166,7 +223,7 @@ void check_fused_output(Op op, const OpArgs& a, Slot output, Slot may_be) {
                                 " (in place) but may not overlap any other operand: pass " + of +
                                 " itself or a disjoint tensor");
   }
-  check_output(op, t, in_place);
+  check_written(op, t, o.name, in_place ? of : nullptr);
 }
 
 void check_fused(Op op, const OpArgs& a) {
@@ -207,12 +264,12 @@ void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int w
   const bool scatter = output_is_chunk(op);
   if (inp.dim() < 1) {
     throw std::invalid_argument(
-        name_of(op) + " works along dim 0 and needs a tensor of at least one dimension; got a " +
+        prefix(op) + "works along dim 0 and needs a tensor of at least one dimension; got a " +
         describe(inp));
   }
   if (scatter && inp.size(0) % world != 0) {
-    throw std::invalid_argument(name_of(op) +
-                                " needs dim 0 of the input divisible by the world size " +
+    throw std::invalid_argument(prefix(op) +
+                                "needs dim 0 of the input divisible by the world size " +
                                 std::to_string(world) + "; got a " + describe(inp));
   }
   if (!out.defined()) return;
@@ -223,21 +280,22 @@ void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int w
     std::vector<int64_t> expected = inp.sizes().vec();
     expected[0] = rows;
     throw std::invalid_argument(
-        name_of(op) + "'s out must have the input's dtype and device and shape " +
+        prefix(op) + "out must have the input's dtype and device and shape " +
         c10::str(at::IntArrayRef(expected)) + " (dim 0 " + (scatter ? "divided" : "multiplied") +
         " by the world size " + std::to_string(world) + "): the input is a " + describe(inp) +
         ", out a " + describe(out));
   }
   if (may_overlap(inp, out)) {
-    throw std::invalid_argument(name_of(op) + "'s out overlaps its input; pass a disjoint tensor");
+    throw std::invalid_argument(prefix(op) + "out overlaps its input; pass a disjoint tensor");
   }
-  check_output(op, out, false);
+  check_written(op, out, "out", nullptr);
 }
 
 }  // namespace
 
 void check_args(Op op, const OpArgs& a, int world, std::optional<int> device) {
   check_devices(op, a, device);
+  check_group_dtype(op, a.inp);
   if (op.collective != plan::Collective::kAllReduce) {
     check_collective(op, a.inp, a.out, std::max(world, 1));
   } else if (has_epilogue(op)) {

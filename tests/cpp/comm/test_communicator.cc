@@ -281,6 +281,11 @@ TEST(CommunicatorArgs, EveryOperandIsCheckedAndNamedBeforeAnyCommunication) {
          fused(t.x.view_as(t.x), t.residual, t.weight, fresh)},
         {"all_reduce_add_rms_norm: weight is a Float [96] on meta; this communicator runs on cpu",
          fused(fresh, t.residual, meta_weight, fresh)},
+        {"reduce_scatter: the input is torch.uint16",
+         [&] {
+           at::Tensor out;
+           c.run(kReduceScatter, {t.x.to(at::ScalarType::UInt16), out});
+         }},
         {"all_gather: out is a Float [8, 96] on meta",
          [&] {
            at::Tensor out = at::empty({8, kHidden}, at::TensorOptions().device(at::kMeta));
