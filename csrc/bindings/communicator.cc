@@ -85,6 +85,22 @@ comm::Stats stats_from_dict(const py::dict& d) {
 // residual_out)).
 using TryResult = std::variant<std::string, at::Tensor, std::tuple<at::Tensor, at::Tensor>>;
 
+// The tensors Python passed for `op` (None: not passed; an output None is the call's to allocate,
+// into `out` and `residual_out`).
+comm::OpArgs op_args(comm::Op op, const at::Tensor& inp, at::Tensor& out,
+                     const std::optional<at::Tensor>& residual,
+                     const std::optional<at::Tensor>& weight, at::Tensor& residual_out,
+                     double eps) {
+  comm::OpArgs args{inp, out};
+  if (comm::has_epilogue(op)) {  // run() and check() raise for a missing residual or weight
+    args.residual = residual ? &*residual : nullptr;
+    args.weight = weight ? &*weight : nullptr;
+    args.residual_out = &residual_out;
+    args.eps = eps;
+  }
+  return args;
+}
+
 TryResult try_run(comm::Communicator& c, const std::string& name, const at::Tensor& inp,
                   std::optional<at::Tensor> out, std::optional<at::Tensor> residual,
                   std::optional<at::Tensor> weight, double eps,
@@ -92,13 +108,7 @@ TryResult try_run(comm::Communicator& c, const std::string& name, const at::Tens
   const comm::Op op = op_from_name(name);
   at::Tensor result = out.value_or(at::Tensor());
   at::Tensor result_residual = residual_out.value_or(at::Tensor());
-  comm::OpArgs args{inp, result};
-  if (comm::has_epilogue(op)) {  // run() raises for a missing residual or weight
-    args.residual = residual ? &*residual : nullptr;
-    args.weight = weight ? &*weight : nullptr;
-    args.residual_out = &result_residual;
-    args.eps = eps;
-  }
+  const comm::OpArgs args = op_args(op, inp, result, residual, weight, result_residual, eps);
   const comm::Decline d = c.run(op, args, comm::OnDecline::kReturn);
   if (d != comm::Decline::kNone) return std::string(comm::decline_name(d));
   if (comm::has_epilogue(op)) return std::make_tuple(result, result_residual);
@@ -228,6 +238,22 @@ void bind_communicator(py::module_& m) {
            "fused call's (out, residual_out); allocated when not given); otherwise returns the "
            "decline reason, touching nothing and counting nothing (the caller runs its own "
            "path). Bad arguments raise as the torch ops do.")
+      .def(
+          "check",
+          [](const Communicator& c, const std::string& name, const at::Tensor& inp,
+             std::optional<at::Tensor> out, std::optional<at::Tensor> residual,
+             std::optional<at::Tensor> weight, std::optional<at::Tensor> residual_out) {
+            const comm::Op op = op_from_name(name);
+            at::Tensor given = out.value_or(at::Tensor());
+            at::Tensor given_residual = residual_out.value_or(at::Tensor());
+            c.check(op, op_args(op, inp, given, residual, weight, given_residual, 0.0));
+          },
+          py::arg("op"), py::arg("inp"), py::arg("out") = py::none(),
+          py::arg("residual") = py::none(), py::arg("weight") = py::none(),
+          py::arg("residual_out") = py::none(),
+          "Raises what a call of `op` with these tensors raises before any rank talks "
+          "(ValueError; RuntimeError for autograd's rules), and does nothing else. An output "
+          "left None is one the call allocates.")
       .def("probe_write", &Communicator::probe_write)
       .def("probe_read", &Communicator::probe_read)
       .def("disable",
@@ -264,6 +290,8 @@ void bind_communicator(py::module_& m) {
       .def("stats", [](const Communicator& c) { return stats_dict(c.stats()); });
 
   m.def("register_communicator", &comm::register_communicator);
+  m.def("lookup_communicator", &comm::lookup_communicator, py::arg("handle"),
+        "The communicator a torch op's handle names (ValueError once it is destroyed).");
   m.def("unregister_communicator", &comm::unregister_communicator);
 }
 

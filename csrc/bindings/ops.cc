@@ -4,9 +4,10 @@
 //   handle, out) -> (); all_reduce_add_rms_norm in the same three forms; reduce_scatter and
 //   all_gather functional and into.
 // One implementation serves CPU and CUDA tensors: the communicator behind `handle` picks its
-// transport, and anything it declines goes to the op's fallback. Fake (meta) implementations are
-// registered from Python so torch.compile can trace the ops. The mutating forms return nothing:
-// torch.compile functionalizes mutable custom ops only when no output aliases an input.
+// transport, and anything it declines goes to the op's fallback. Fake implementations are
+// registered from Python so torch.compile can trace the ops, with Meta kernels that refuse a real
+// call with an operand on the meta device (pcie_allreduce/native.py). The mutating forms return
+// nothing: torch.compile functionalizes mutable custom ops only when no output aliases an input.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -4,11 +4,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <stdexcept>
+#include <string_view>
 #include <vector>
 
 #include "plan/layout.h"
@@ -35,108 +38,224 @@ bool like(const at::Tensor& a, const at::Tensor& b) {
          a.device() == b.device();
 }
 
-// A written-to tensor whose elements share memory (an expand) would be written twice.
-void check_no_internal_overlap(const at::Tensor& out) {
-  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
-    throw std::invalid_argument(
-        "unsupported operation: more than one element of the written-to tensor refers to a "
-        "single memory location (an expanded or overlapping view); clone() it first");
+// Messages start with the op the caller called (built only on the way to a throw: every call
+// checks).
+std::string name_of(Op op) { return std::string(op_name(op)); }
+std::string prefix(Op op) { return name_of(op) + ": "; }
+
+// A tensor of the call under the name the caller gave it (the fused call's signature names its
+// input x); null or undefined: not passed (an output the call allocates).
+struct Operand {
+  const char* name;
+  const at::Tensor* tensor;
+  bool given() const { return tensor != nullptr && tensor->defined(); }
+};
+
+enum Slot : size_t { kInput, kOut, kResidual, kWeight, kResidualOut };
+
+std::array<Operand, 5> operands(Op op, const OpArgs& a) {
+  return {{{has_epilogue(op) ? "x" : "the input", &a.inp},
+           {"out", &a.out},
+           {"residual", a.residual},
+           {"weight", a.weight},
+           {"residual_out", a.residual_out}}};
+}
+
+// ------------------------------------------------------------------ the device
+
+std::string device_name(int device) {
+  return device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device);
+}
+
+// Every operand on the communicator's device. A tensor elsewhere is a programming error, never a
+// decline; a meta tensor holds no data to communicate (and the torch ops' Meta kernels send a
+// real call with one here). Without a workspace every operand must be on the input's device.
+void check_devices(Op op, const OpArgs& a, std::optional<int> device) {
+  for (const Operand& o : operands(op, a)) {
+    if (!o.given()) continue;
+    const at::Tensor& t = *o.tensor;
+    const bool here =
+        device ? (*device < 0 ? t.device().is_cpu() : t.is_cuda() && t.device().index() == *device)
+               : t.device() == a.inp.device() && !t.is_meta();
+    if (!here) {
+      throw std::invalid_argument(
+          prefix(op) + o.name + " is a " + describe(t) + "; this communicator runs on " +
+          (device ? device_name(*device) : "the input's device (never meta)") + ": pass " + o.name +
+          " there");
+    }
   }
 }
 
-// The autograd rules torch's own in-place and out= ops enforce: the op has no derivative, so
-// writing into a tensor that autograd tracks would silently break its gradient.
-// The op's name, for messages: built only on the way to a throw (every call checks).
-std::string name_of(Op op) { return std::string(op_name(op)); }
+// ------------------------------------------------------------------ the group's dtypes
 
-void check_writable(Op op, const at::Tensor& out, bool in_place) {
+// What the group's own collective takes, which runs every call the kernels decline (comm/fallback):
+// a dtype it cannot take would fail inside it after the call took a generation. The dtype is part
+// of what every rank agrees on, so every rank refuses the call alike, before any communication.
+// gloo (CPU tensors), measured on torch 2.14 for all_reduce_, reduce_scatter_tensor and
+// all_gather_into_tensor alike: int16, uint16/32/64 and every float8 raise "Invalid scalar type".
+constexpr std::array kGlooDtypes = {at::kBool,   at::kByte,         at::kChar,         at::kInt,
+                                    at::kLong,   at::kHalf,         at::kBFloat16,     at::kFloat,
+                                    at::kDouble, at::kComplexFloat, at::kComplexDouble};
+// NCCL (CUDA tensors), conservatively: the types every NCCL that torch ships sums. float8 (e4m3fn,
+// e5m2) is only moved (all-gather), never summed: torch refuses float8 NCCL reductions.
+constexpr std::array kNcclDtypes = {at::kChar, at::kByte,     at::kInt,   at::kLong,
+                                    at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+constexpr std::array kNcclMovedDtypes = {at::kFloat8_e4m3fn, at::kFloat8_e5m2};
+
+template <size_t N>
+bool listed(const std::array<at::ScalarType, N>& dtypes, at::ScalarType t) {
+  return std::find(dtypes.begin(), dtypes.end(), t) != dtypes.end();
+}
+
+bool group_takes(Op op, at::ScalarType t, bool cuda) {
+  if (!cuda) return listed(kGlooDtypes, t);
+  return listed(kNcclDtypes, t) ||
+         (op.collective == plan::Collective::kAllGather && listed(kNcclMovedDtypes, t));
+}
+
+std::string torch_name(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
+template <size_t N>
+void append_names(std::string& out, const std::array<at::ScalarType, N>& dtypes) {
+  for (const at::ScalarType t : dtypes) out += (out.empty() ? "" : ", ") + torch_name(t);
+}
+
+void check_group_dtype(Op op, const at::Tensor& inp) {
+  const bool cuda = inp.is_cuda();
+  if (group_takes(op, inp.scalar_type(), cuda)) return;
+  std::string accepted;
+  if (!cuda) {
+    append_names(accepted, kGlooDtypes);
+  } else {
+    append_names(accepted, kNcclDtypes);
+    if (op.collective == plan::Collective::kAllGather) append_names(accepted, kNcclMovedDtypes);
+  }
+  throw std::invalid_argument(
+      prefix(op) + (has_epilogue(op) ? "x" : "the input") + " is " + torch_name(inp.scalar_type()) +
+      ", a dtype the group's own collective (" + (cuda ? "NCCL" : "gloo") +
+      ": the path of every call the kernels decline) cannot take; pass one of " + accepted);
+}
+
+// ------------------------------------------------------------------ written tensors
+
+// How the call that writes `arg` reads in messages: all_reduce_ (in place), all_reduce(out=),
+// all_reduce_add_rms_norm(residual_out=residual) (in place of residual).
+std::string writer(Op op, std::string_view arg, const char* in_place_of) {
+  if (in_place_of != nullptr && !has_epilogue(op)) return name_of(op) + "_";
+  return name_of(op) + "(" + std::string(arg) + "=" + (in_place_of ? in_place_of : "") + ")";
+}
+
+// Torch's own rules for a tensor an op writes (`arg`, in place of the operand `in_place_of` or
+// null): autograd's (the op has no derivative, so writing into a tensor autograd tracks would
+// silently break its gradient; std::runtime_error, torch's wording), inference mode's, and no
+// element written twice (an expand).
+void check_written(Op op, const at::Tensor& out, std::string_view arg, const char* in_place_of) {
+  const auto what = [&] { return in_place_of ? std::string(in_place_of) : std::string(arg); };
   if (out.requires_grad() && at::GradMode::is_enabled()) {
-    const std::string name = name_of(op);
     throw std::runtime_error(
-        in_place && out.is_leaf()
-            ? "a leaf Variable that requires grad is being used in an in-place operation (" + name +
-                  "_); call it under torch.no_grad() or on a tensor that does not require "
-                  "grad"
-            : (in_place ? name + "_" : name + "(out=)") +
-                  " has no derivative, but the tensor it writes requires grad; call it under "
-                  "torch.no_grad() or on a detached tensor");
+        in_place_of && out.is_leaf()
+            ? "a leaf Variable that requires grad is being used in an in-place operation (" +
+                  writer(op, arg, in_place_of) +
+                  "); call it under torch.no_grad() or on a tensor that does not require grad"
+            : writer(op, arg, in_place_of) + " has no derivative, but " + what() +
+                  ", which it writes, requires grad; call it under torch.no_grad() or on a "
+                  "detached tensor");
   }
   if (out.is_inference() && !c10::InferenceMode::is_enabled()) {
     throw std::runtime_error(
-        "Inplace update to inference tensor outside InferenceMode is not allowed: the tensor " +
-        name_of(op) +
-        " writes was created in inference mode; call it inside torch.inference_mode() or "
+        "Inplace update to inference tensor outside InferenceMode is not allowed: " +
+        writer(op, arg, in_place_of) + " writes " + what() +
+        ", which was created in inference mode; call it inside torch.inference_mode() or "
         "clone() the tensor first");
   }
-}
-
-void check_output(Op op, const at::Tensor& out, bool in_place) {
-  check_writable(op, out, in_place);
-  check_no_internal_overlap(out);
-}
-
-void check_device(const at::Tensor& inp, int device) {
-  const bool here =
-      device < 0 ? inp.device().is_cpu() : inp.is_cuda() && inp.device().index() == device;
-  if (!here) {
+  if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
     throw std::invalid_argument(
-        "the input is a " + describe(inp) + "; this communicator all-reduces tensors on " +
-        (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)));
+        prefix(op) + "unsupported operation: more than one element of the written-to tensor (" +
+        what() +
+        ") refers to a single memory location (an expanded or overlapping view); clone() it "
+        "first");
   }
 }
 
-// The all-reduce's out, and the fused call's: like the input, or the input itself.
-void check_same_shape_output(Op op, const at::Tensor& inp, const at::Tensor& out) {
+// ------------------------------------------------------------------ each op's tensors
+
+// The all-reduce's out: like the input, or the input itself.
+void check_all_reduce(Op op, const at::Tensor& inp, const at::Tensor& out) {
+  if (!out.defined()) return;
   if (!out.is_same(inp)) {
     if (!like(out, inp)) {
       throw std::invalid_argument(
-          "out must have the input's dtype, shape and device: the input is a " + describe(inp) +
-          ", out a " + describe(out));
+          prefix(op) + "out must have the input's dtype, shape and device: the input is a " +
+          describe(inp) + ", out a " + describe(out));
     }
     if (may_overlap(inp, out)) {
       throw std::invalid_argument(
+          prefix(op) +
           "out overlaps the input without being the same tensor; pass the input itself for an "
           "in-place all-reduce (all_reduce_) or a disjoint tensor");
     }
   }
-  check_output(op, out, out.is_same(inp));
+  check_written(op, out, "out", out.is_same(inp) ? "the input" : nullptr);
+}
+
+// One of the fused call's outputs (out, which may be x; residual_out, which may be residual):
+// shaped like x, overlapping no input but the one it may be. The weight is read while both are
+// written, so it overlaps neither.
+void check_fused_output(Op op, const OpArgs& a, Slot output, Slot may_be) {
+  const std::array<Operand, 5> named = operands(op, a);
+  const Operand& o = named[output];
+  if (!o.given()) return;
+  const at::Tensor& t = *o.tensor;
+  if (!like(t, a.inp)) {
+    throw std::invalid_argument(prefix(op) + o.name +
+                                " must have x's dtype, shape and device: x is a " +
+                                describe(a.inp) + ", " + o.name + " a " + describe(t));
+  }
+  const char* of = named[may_be].name;
+  const bool in_place = t.is_same(*named[may_be].tensor);
+  for (const Slot i : {kInput, kResidual, kWeight}) {  // the other output: check_fused
+    if ((i == may_be && in_place) || !may_overlap(t, *named[i].tensor)) continue;
+    throw std::invalid_argument(prefix(op) + o.name + " overlaps " + named[i].name +
+                                (i == may_be ? " without being " + std::string(of) : "") + "; " +
+                                o.name + " may be " + of +
+                                " (in place) but may not overlap any other operand: pass " + of +
+                                " itself or a disjoint tensor");
+  }
+  check_written(op, t, o.name, in_place ? of : nullptr);
 }
 
 void check_fused(Op op, const OpArgs& a) {
   const at::Tensor& x = a.inp;
+  if (a.residual == nullptr || a.weight == nullptr || !a.residual->defined() ||
+      !a.weight->defined()) {
+    throw std::invalid_argument(prefix(op) + "needs residual and weight tensors");
+  }
   const at::Tensor& residual = *a.residual;
   const at::Tensor& weight = *a.weight;
-  const at::Tensor& out = a.out;
-  const at::Tensor& residual_out = *a.residual_out;
   if (x.dim() < 1) {
     throw std::invalid_argument(
-        "all_reduce_add_rms_norm needs x of at least one dimension (rows of hidden); got a " +
-        describe(x));
+        prefix(op) + "needs x of at least one dimension (rows of hidden); got a " + describe(x));
   }
   const int64_t hidden = x.size(-1);
   if (!like(residual, x)) {
-    throw std::invalid_argument("residual must have x's dtype, shape and device: x is a " +
+    throw std::invalid_argument(prefix(op) +
+                                "residual must have x's dtype, shape and device: x is a " +
                                 describe(x) + ", residual a " + describe(residual));
   }
-  if (weight.dim() != 1 || weight.size(0) != hidden || weight.device() != x.device()) {
-    throw std::invalid_argument("weight must be [hidden] = [" + std::to_string(hidden) +
-                                "] on x's device: x is a " + describe(x) + ", weight a " +
-                                describe(weight));
+  if (weight.dim() != 1 || weight.size(0) != hidden) {
+    throw std::invalid_argument(prefix(op) + "weight must be [hidden] = [" +
+                                std::to_string(hidden) + "] on x's device: x is a " + describe(x) +
+                                ", weight a " + describe(weight));
   }
-  if (!like(out, x) || !like(residual_out, x)) {
-    throw std::invalid_argument(
-        "out and residual_out must have x's dtype, shape and device: x is a " + describe(x) +
-        ", out a " + describe(out) + ", residual_out a " + describe(residual_out));
+  check_fused_output(op, a, kOut, kInput);
+  check_fused_output(op, a, kResidualOut, kResidual);
+  if (a.out.defined() && a.residual_out != nullptr && a.residual_out->defined() &&
+      may_overlap(a.out, *a.residual_out)) {
+    throw std::invalid_argument(prefix(op) +
+                                "out overlaps residual_out; the two outputs must be disjoint");
   }
-  auto apart = [](const at::Tensor& p, const at::Tensor& q) { return !may_overlap(p, q); };
-  if (!(out.is_same(x) || apart(out, x)) ||
-      !(residual_out.is_same(residual) || apart(residual_out, residual)) || !apart(out, residual) ||
-      !apart(out, residual_out) || !apart(residual_out, x)) {
-    throw std::invalid_argument(
-        "all_reduce_add_rms_norm writes out and residual_out: out may be x and residual_out may "
-        "be residual (in place), but they may not overlap each other or any other operand");
-  }
-  check_output(op, residual_out, residual_out.is_same(residual));  // out: with the all-reduce's
 }
 
 // Reduce-scatter and all-gather: along dim 0, out is inp with dim 0 divided or multiplied by
@@ -145,14 +264,15 @@ void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int w
   const bool scatter = output_is_chunk(op);
   if (inp.dim() < 1) {
     throw std::invalid_argument(
-        name_of(op) + " works along dim 0 and needs a tensor of at least one dimension; got a " +
+        prefix(op) + "works along dim 0 and needs a tensor of at least one dimension; got a " +
         describe(inp));
   }
   if (scatter && inp.size(0) % world != 0) {
-    throw std::invalid_argument(name_of(op) +
-                                " needs dim 0 of the input divisible by the world size " +
+    throw std::invalid_argument(prefix(op) +
+                                "needs dim 0 of the input divisible by the world size " +
                                 std::to_string(world) + "; got a " + describe(inp));
   }
+  if (!out.defined()) return;
   const int64_t rows = output_rows(op, inp.size(0), world);
   bool shaped = out.dim() == inp.dim() && out.size(0) == rows;
   for (int64_t d = 1; shaped && d < inp.dim(); ++d) shaped = out.size(d) == inp.size(d);
@@ -160,27 +280,29 @@ void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int w
     std::vector<int64_t> expected = inp.sizes().vec();
     expected[0] = rows;
     throw std::invalid_argument(
-        name_of(op) + "'s out must have the input's dtype and device and shape " +
+        prefix(op) + "out must have the input's dtype and device and shape " +
         c10::str(at::IntArrayRef(expected)) + " (dim 0 " + (scatter ? "divided" : "multiplied") +
         " by the world size " + std::to_string(world) + "): the input is a " + describe(inp) +
         ", out a " + describe(out));
   }
   if (may_overlap(inp, out)) {
-    throw std::invalid_argument(name_of(op) + "'s out overlaps its input; pass a disjoint tensor");
+    throw std::invalid_argument(prefix(op) + "out overlaps its input; pass a disjoint tensor");
   }
-  check_output(op, out, false);
+  check_written(op, out, "out", nullptr);
 }
 
 }  // namespace
 
 void check_args(Op op, const OpArgs& a, int world, std::optional<int> device) {
-  if (device) check_device(a.inp, *device);
+  check_devices(op, a, device);
+  check_group_dtype(op, a.inp);
   if (op.collective != plan::Collective::kAllReduce) {
     check_collective(op, a.inp, a.out, std::max(world, 1));
-    return;
+  } else if (has_epilogue(op)) {
+    check_fused(op, a);
+  } else {
+    check_all_reduce(op, a.inp, a.out);
   }
-  check_same_shape_output(op, a.inp, a.out);
-  if (has_epilogue(op)) check_fused(op, a);
 }
 
 bool executor_ready(const at::Tensor& t) {

@@ -24,11 +24,15 @@ struct OpArgs {
 };
 
 // Raises std::invalid_argument (or std::runtime_error for the autograd rules torch's own in-place
-// and out= ops enforce) when `args` cannot be a call of `op` on this communicator: an input on
-// another device than `device` (-1: the CPU; nullopt: no workspace, any device), outputs of the
-// wrong dtype, shape or device, outputs that overlap an operand other than the one they may be in
-// place of, or that overlap themselves (an expand), a reduce-scatter input whose dim 0 is not a
-// multiple of `world`. The message says what was passed and what was expected.
+// and out= ops enforce) when `args` cannot be a call of `op` on this communicator: any operand on
+// another device than `device` (-1: the CPU; nullopt: no workspace, so the input's) or on meta; an
+// input dtype the group's own collective cannot take (gloo for CPU tensors, NCCL for CUDA ones:
+// the fallback of every call the kernels decline); outputs of the wrong dtype or shape, outputs
+// that overlap any operand other than the one they may be in place of (the fused call's weight
+// included), or that overlap themselves (an expand); a reduce-scatter input whose dim 0 is not a
+// multiple of `world`. An undefined output (one the call allocates) is not checked. The message
+// names the op, the argument, what was passed and what was expected. Every rank passes the same
+// dtypes and shapes, so every rank refuses alike, before any communication.
 void check_args(Op op, const OpArgs& args, int world, std::optional<int> device);
 
 // Where the kernels can address a tensor directly: one dense, 16-byte aligned run of elements.

@@ -72,6 +72,10 @@ class Communicator {
   // call entering while one runs (two threads) throws std::runtime_error. A failure recorded by
   // an earlier (asynchronous) call is raised before anything is allocated.
   Decline run(Op op, OpArgs args, OnDecline on_decline = OnDecline::kFallback);
+  // The check run() makes before any rank talks (check_args on this communicator's world and
+  // device), alone: for a caller that forms an output itself (an undefined output is one the
+  // call would allocate, and is not checked). Touches nothing; raises as run() does.
+  void check(Op op, const OpArgs& args) const { check_args(op, args, options_.world, device()); }
 
   // The plain all-reduce's admission of `t`, before the table (it says *can*, not *should*).
   // Never throws.

@@ -218,8 +218,10 @@ class PcieAllReduce(Lifecycle):
         and a row's result does not depend on the other rows of the batch.
 
         In place: ``out=x`` and/or ``residual_out=residual`` (the two must differ). Without
-        them, new tensors. A call the kernels decline (``fused_decline_reason``) runs the
-        group's all-reduce, then the same add and norm in torch."""
+        them, new tensors. Outputs of another dtype, shape or device, or overlapping any other
+        operand (the weight included), raise ValueError on every rank before any rank talks.
+        A call the kernels decline (``fused_decline_reason``) runs the group's all-reduce, then
+        the same add and norm in torch."""
         ops, args = TORCH_OPS[FUSED], (x, residual, weight, float(eps), self.handle)
         if out is None and residual_out is None:
             return ops.new(*args)
@@ -228,7 +230,9 @@ class PcieAllReduce(Lifecycle):
             return x, residual
         if out is x or residual_out is residual:
             # One in place, one not: the ops' schemas keep each written tensor apart from the
-            # inputs, so form both results anew and copy the in-place one back.
+            # inputs, so form both results anew and copy them back, after the check the op
+            # would make of the caller's outputs (before any rank talks).
+            self._comm.check(FUSED, x, out, residual, weight, residual_out)
             y, r = ops.new(*args)
             out = y if out is None else out.copy_(y)
             return out, (r if residual_out is None else residual_out.copy_(r))

@@ -5,7 +5,8 @@ Loading ``pcie_allreduce._C`` runs its ``TORCH_LIBRARY`` block, which defines th
 ``all_reduce_add_rms_norm{,_,_into}``, ``reduce_scatter{,_into}`` and
 ``all_gather{,_into}``, and the functional ops' derivatives (``csrc/bindings/derivatives.cc``,
 so autograd never passes one by silently); this module then registers their fake
-implementations, so ``torch.compile`` can trace a call before any op runs.
+implementations, so ``torch.compile`` can trace a call before any op runs, and their Meta
+kernels, which refuse a real call with an operand on the meta device.
 ``import pcie_allreduce`` does not import this module: a disabled engine plugin loads neither
 the extension nor torch. Every module that needs the extension imports ``_C`` from here.
 """
@@ -13,7 +14,7 @@ the extension nor torch. Every module that needs the extension imports ``_C`` fr
 from __future__ import annotations
 
 import importlib
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import torch
 
@@ -95,3 +96,44 @@ def _all_gather_fake(inp: torch.Tensor, world: int, handle: int) -> torch.Tensor
 @torch.library.register_fake("pcie_allreduce::all_gather_into")
 def _all_gather_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> None:
     return None
+
+
+# A real call (torch.compile's FakeTensors take the fakes above, never these) reaches an op's Meta
+# kernel when any operand is on the meta device, where register_fake put the fake too: it would
+# return empty tensors without communicating. Each op's Meta kernel is instead the extension's own
+# argument check, which refuses the call before any communication (ValueError naming the operand),
+# as it refuses a tensor on any other device than the communicator's.
+def _refuse(
+    op: str,
+    handle: int,
+    inp: torch.Tensor,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> NoReturn:
+    _C.lookup_communicator(handle).check(op, inp, out, residual, weight, residual_out)
+    raise ValueError(f"{op}: an operand is on the meta device, which holds no data to communicate")
+
+
+_FUSED = "all_reduce_add_rms_norm"
+_META_KERNELS: dict[str, Any] = {
+    "all_reduce": lambda inp, handle: _refuse("all_reduce", handle, inp),
+    "all_reduce_": lambda inp, handle: _refuse("all_reduce", handle, inp, inp),
+    "all_reduce_into": lambda inp, handle, out: _refuse("all_reduce", handle, inp, out),
+    _FUSED: lambda x, residual, weight, eps, handle: _refuse(
+        _FUSED, handle, x, None, residual, weight
+    ),
+    f"{_FUSED}_": lambda x, residual, weight, eps, handle: _refuse(
+        _FUSED, handle, x, x, residual, weight, residual
+    ),
+    f"{_FUSED}_into": lambda x, residual, weight, eps, handle, out, residual_out: _refuse(
+        _FUSED, handle, x, out, residual, weight, residual_out
+    ),
+    "reduce_scatter": lambda inp, world, handle: _refuse("reduce_scatter", handle, inp),
+    "reduce_scatter_into": lambda inp, handle, out: _refuse("reduce_scatter", handle, inp, out),
+    "all_gather": lambda inp, world, handle: _refuse("all_gather", handle, inp),
+    "all_gather_into": lambda inp, handle, out: _refuse("all_gather", handle, inp, out),
+}
+for _name, _kernel in _META_KERNELS.items():
+    torch.library.impl(f"pcie_allreduce::{_name}", "Meta", _kernel)

@@ -5,7 +5,9 @@
 // its caller touches nothing and counts nothing.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm_group.h"
@@ -239,6 +241,82 @@ TEST(CommunicatorArgs, BadArgumentsRaiseBeforeAnyCommunication) {
   at::Tensor y, residual_out;
   EXPECT_THROW(c.run(kAllReduceAddRmsNorm, {x, y, &x, &weight, &residual_out, 1e-6}),
                std::invalid_argument);
+  Stats nothing;
+  nothing.bytes_sent_per_peer = {0, 0};
+  EXPECT_EQ(c.stats(), nothing);
+}
+
+// What `call` raised as std::invalid_argument, or what happened instead.
+std::string refusal(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("not std::invalid_argument: ") + e.what();
+  }
+  return "no error";
+}
+
+// Every rank makes the same bad call, so a call that is not refused runs (and is counted) instead
+// of waiting for a peer: each message names the op, the argument and what it expects.
+TEST(CommunicatorArgs, EveryOperandIsCheckedAndNamedBeforeAnyCommunication) {
+  CommGroup group(2, kTableA, 4096);
+  group.each([&](int rank, Communicator& c) {
+    const Tensors t(rank, 2);
+    const at::Tensor meta_weight = at::empty({kHidden}, at::TensorOptions().device(at::kMeta));
+    // Copies of a tensor are the same tensor (in place), an undefined one is allocated.
+    const auto fused = [&](at::Tensor out, at::Tensor residual, at::Tensor weight,
+                           at::Tensor residual_out) {
+      return [&c, &t, out, residual, weight, residual_out]() mutable {
+        c.run(kAllReduceAddRmsNorm, {t.x, out, &residual, &weight, &residual_out});
+      };
+    };
+    const at::Tensor given = at::zeros_like(t.x), residual = t.residual.clone(), fresh;
+    const std::vector<std::pair<std::string, std::function<void()>>> cases = {
+        {"all_reduce_add_rms_norm: out overlaps weight", fused(given, t.residual, given[0], fresh)},
+        {"all_reduce_add_rms_norm: residual_out overlaps weight",
+         fused(fresh, residual, residual[0], residual)},
+        {"all_reduce_add_rms_norm: out overlaps x",
+         fused(t.x.view_as(t.x), t.residual, t.weight, fresh)},
+        {"all_reduce_add_rms_norm: weight is a Float [96] on meta; this communicator runs on cpu",
+         fused(fresh, t.residual, meta_weight, fresh)},
+        {"reduce_scatter: the input is torch.uint16",
+         [&] {
+           at::Tensor out;
+           c.run(kReduceScatter, {t.x.to(at::ScalarType::UInt16), out});
+         }},
+        {"all_gather: out is a Float [8, 96] on meta",
+         [&] {
+           at::Tensor out = at::empty({8, kHidden}, at::TensorOptions().device(at::kMeta));
+           c.run(kAllGather, {t.piece, out});
+         }},
+    };
+    for (const auto& [expected, call] : cases) {
+      const std::string got = refusal(call);
+      EXPECT_EQ(got.substr(0, expected.size()), expected) << "rank " << rank << ": " << got;
+    }
+  });
+  Stats nothing;
+  nothing.bytes_sent_per_peer = {0, 0};
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(group[r].stats(), nothing);
+}
+
+// check() alone, for a caller that forms an output itself: run()'s refusals, and an undefined
+// output (one the call would allocate) is left as it is.
+TEST(CommunicatorArgs, CheckRefusesWhatRunRefusesAndTouchesNothing) {
+  CommGroup group(2, kTableA, 4096);
+  Communicator& c = group[0];  // its peer never calls: nothing may wait for it
+  const Tensors t(0, 2);
+  at::Tensor x = t.x, unallocated, same_x = t.x;
+  EXPECT_NO_THROW(c.check(kAllReduceAddRmsNorm, {t.x, x, &t.residual, &t.weight, &unallocated}));
+  EXPECT_FALSE(unallocated.defined());
+  EXPECT_EQ(refusal([&] {
+              c.check(kAllReduceAddRmsNorm, {t.x, x, &t.residual, &t.weight, &same_x});
+            }).substr(0, 46),
+            "all_reduce_add_rms_norm: residual_out overlaps");
+  EXPECT_NO_THROW(c.check(kAllGather, {t.piece, unallocated}));
+  EXPECT_FALSE(unallocated.defined());
   Stats nothing;
   nothing.bytes_sent_per_peer = {0, 0};
   EXPECT_EQ(c.stats(), nothing);

@@ -328,3 +328,111 @@ def test_table_rows_of_a_collective_decide_it_and_only_it(clean_shm):
         assert collectives["reduce_scatter"]["calls"] == {"twoshot/pull/staged/flag/b1/t64": 1}
         # The all-reduce and its fused form, and the reduce-scatter: the all-gather has none.
         assert programs["programs"] == 3, programs
+
+
+def _refusals(ar, calls, tensors):
+    """Makes each call, which must raise ValueError starting with its op's name and holding its
+    fragment. Returns what went otherwise, and whether any tensor or counter changed."""
+    before = ([t.clone() for t in tensors], ar.stats())
+    wrong = {}
+    for name, (call, fragment) in calls.items():
+        op = name.split("(")[0].rstrip("_")
+        try:
+            call()
+            wrong[name] = "no error"
+        except ValueError as e:
+            if not (str(e).startswith(f"{op}: ") and fragment in str(e)):
+                wrong[name] = f"{e} (expected {op}: ... {fragment!r})"
+        except Exception as e:  # noqa: BLE001 - the wrong kind of error is the finding
+            wrong[name] = f"{type(e).__name__}: {e}"
+    changed = ar.stats() != before[1] or any(
+        not torch.equal(t, b) for t, b in zip(tensors, before[0])
+    )
+    return wrong, changed
+
+
+def _meta_operands(rank, world):
+    """A tensor on the meta device, as any operand: the torch ops would run their fake
+    implementations and return without communicating. Each call raises on every rank before any
+    communication, naming the op and the operand, counting and writing nothing."""
+    from pcie_allreduce import PcieAllReduce
+
+    meta = torch.device("meta")
+    with PcieAllReduce(None, "cpu", max_numel=4096) as ar:
+        x = rank_input(rank, world * 4 * 64, torch.float32).view(world * 4, 64)
+        piece, gathered = x[:4].clone(), torch.zeros(world * 4, 64)
+        calls = {
+            "all_reduce(meta)": (lambda: ar.all_reduce(x.to(meta)), "the input is a Float"),
+            "all_reduce_(meta)": (lambda: ar.all_reduce_(x.to(meta)), "on meta"),
+            "all_reduce(out=meta)": (
+                lambda: ar.all_reduce(x, out=torch.empty_like(x, device=meta)),
+                "out is a Float",
+            ),
+            "reduce_scatter(out=meta)": (
+                lambda: ar.reduce_scatter(x, out=torch.empty(4, 64, device=meta)),
+                "out is a Float [4, 64] on meta",
+            ),
+            "all_gather(out=meta)": (
+                lambda: ar.all_gather(piece, out=torch.empty(world * 4, 64, device=meta)),
+                "this communicator runs on cpu",
+            ),
+            "all_gather(meta, out=cpu)": (
+                lambda: ar.all_gather(piece.to(meta), out=gathered),
+                "the input is a Float [4, 64] on meta",
+            ),
+        }
+        wrong, changed = _refusals(ar, calls, (x, piece, gathered))
+        # Nothing above reached a peer: the next call still pairs up.
+        in_step = torch.equal(ar.all_gather(piece)[rank * 4 : (rank + 1) * 4], piece)
+    return wrong, changed, in_step
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_operands_on_the_meta_device_raise_naming_them(world, clean_shm):
+    for wrong, changed, in_step in run_ranks(_meta_operands, world).values():
+        assert not wrong, "\n".join(f"{name}: {e}" for name, e in wrong.items())
+        assert not changed and in_step
+
+
+def _group_dtypes(rank, world):
+    """A dtype the group's own collective (gloo here) cannot take would raise inside gloo after
+    the call took a generation. Each call raises on every rank before any communication, naming
+    the op and the dtype, counting and writing nothing; what the kernels decline but gloo takes
+    still runs gloo."""
+    from pcie_allreduce import PcieAllReduce
+
+    with PcieAllReduce(None, "cpu", max_numel=4096) as ar:
+        x = rank_input(rank, world * 4 * 64, torch.float32).view(world * 4, 64)
+        piece = x[:4].clone()
+        odd = x.to(torch.uint16)
+        calls = {
+            "reduce_scatter(uint16)": (lambda: ar.reduce_scatter(odd), "torch.uint16"),
+            "all_reduce(int16)": (lambda: ar.all_reduce(x.to(torch.int16)), "torch.int16"),
+            "all_reduce_(uint32)": (lambda: ar.all_reduce_(x.to(torch.uint32)), "torch.uint32"),
+            "all_gather(float8)": (
+                lambda: ar.all_gather(piece.to(torch.float8_e4m3fn)),
+                "torch.float8_e4m3fn",
+            ),
+            "all_reduce_add_rms_norm(uint16)": (
+                lambda: ar.all_reduce_add_rms_norm(odd, odd.clone(), odd[0], 1e-6),
+                "x is torch.uint16",
+            ),
+        }
+        wrong, changed = _refusals(ar, calls, (x, piece, odd))
+        exact = []
+        for dtype in (torch.float64, torch.int32):
+            wide = x.mul(100).to(dtype)
+            ref = torch.empty(4, 64, dtype=dtype)
+            REDUCE_SCATTER(ref, wide)
+            exact.append(torch.equal(ar.reduce_scatter(wide), ref))
+        declined = ar.stats()["collectives"]["reduce_scatter"]["declines"]
+        in_step = torch.equal(ar.all_gather(piece)[rank * 4 : (rank + 1) * 4], piece)
+    return wrong, changed, exact, declined, in_step
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtypes_the_groups_collective_cannot_take_raise_before_any_communication(world, clean_shm):
+    for wrong, changed, exact, declined, in_step in run_ranks(_group_dtypes, world).values():
+        assert not wrong, "\n".join(f"{name}: {e}" for name, e in wrong.items())
+        assert not changed and in_step
+        assert exact == [True, True] and declined == {"dtype": 2}, (exact, declined)

@@ -304,3 +304,122 @@ def test_a_rank_in_the_fused_call_and_a_peer_in_the_plain_one_fail_naming_each_o
         assert res["elapsed"] < 10
         assert res["diag"]["kind"] in ("mismatch", "ll_mismatch", "timeout"), res["diag"]
         assert res["diag"]["peer"] == 1 - rank, res["diag"]
+
+
+def _bad_output_combinations(rank, world):
+    """Every combination of out / residual_out the caller may pass (None, x, residual, a given
+    tensor, overlapping views, another dtype, shape or device), a weight inside an output, and
+    operands on the meta device: each raises ValueError on every rank before any rank talks,
+    naming the fused call and the argument, and leaves every tensor as it was."""
+    from pcie_allreduce import PcieAllReduce
+
+    dtype = torch.bfloat16
+    rows, hidden = 2, 512
+    meta = torch.device("meta")
+    # x and residual are the first rows of buffers one row longer: the row after them is a view
+    # that overlaps them partially.
+    xbuf = rank_input(rank, (rows + 1) * hidden, dtype, seed=7).view(rows + 1, hidden)
+    rbuf = replicated((rows + 1, hidden), dtype, 71)
+    x, residual = xbuf[:rows], rbuf[:rows]
+    weight = replicated((hidden,), dtype, 72)
+    given = torch.zeros(rows, hidden, dtype=dtype)
+    cases = {
+        # exactly one in place
+        "out=x residual_out=x": ({"out": x, "residual_out": x}, "residual_out overlaps x"),
+        "out=x residual_out=fp32": (
+            {"out": x, "residual_out": torch.zeros(rows, hidden)},
+            "residual_out must have x's dtype, shape and device",
+        ),
+        "out=x residual_out=broadcastable": (
+            {"out": x, "residual_out": torch.zeros(2, rows, hidden, dtype=dtype)},
+            "residual_out must have x's dtype, shape and device",
+        ),
+        "out=x residual_out=overlapping residual": (
+            {"out": x, "residual_out": rbuf[1:]},
+            "residual_out overlaps residual",
+        ),
+        "out=x residual_out=meta": (
+            {"out": x, "residual_out": torch.empty(rows, hidden, dtype=dtype, device=meta)},
+            "residual_out is a BFloat16 [2, 512] on meta",
+        ),
+        "residual_out=residual out=residual": (
+            {"out": residual, "residual_out": residual},
+            "out overlaps residual",
+        ),
+        "residual_out=residual out=fp32": (
+            {"out": torch.zeros(rows, hidden), "residual_out": residual},
+            "out must have x's dtype, shape and device",
+        ),
+        "residual_out=residual out=broadcastable": (
+            {"out": torch.zeros(2, rows, hidden, dtype=dtype), "residual_out": residual},
+            "out must have x's dtype, shape and device",
+        ),
+        "residual_out=residual out=overlapping x": (
+            {"out": xbuf[1:], "residual_out": residual},
+            "out overlaps x",
+        ),
+        # both given, or both in place
+        "out=given residual_out=given": (
+            {"out": given, "residual_out": given},
+            "out overlaps residual_out",
+        ),
+        "residual_out=x": ({"residual_out": x}, "residual_out overlaps x"),
+        "out=residual": ({"out": residual}, "out overlaps residual"),
+        # a weight inside an output
+        "weight in out": ({"out": given, "weight": given[0]}, "out overlaps weight"),
+        "weight in x, in place": (
+            {"out": x, "residual_out": residual, "weight": x[1]},
+            "out overlaps weight",
+        ),
+        "weight in residual, residual_out=residual": (
+            {"out": x, "residual_out": residual, "weight": residual[0]},
+            "residual_out overlaps weight",
+        ),
+        # operands on the meta device
+        "weight on meta": ({"weight": weight.to(meta)}, "weight is a BFloat16 [512] on meta"),
+        "residual on meta": ({"residual": residual.to(meta)}, "residual is a BFloat16"),
+        "x on meta": ({"x": x.to(meta)}, "x is a BFloat16 [2, 512] on meta"),
+        "out on meta": (
+            {"out": given.to(meta), "residual_out": torch.zeros_like(residual)},
+            "out is a BFloat16 [2, 512] on meta",
+        ),
+    }
+    errors = {}
+    with PcieAllReduce(None, "cpu", max_numel=rows * hidden) as ar:
+        y_ref, r_ref = ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        everything = (xbuf, rbuf, weight, given)
+        before = [t.clone() for t in everything]
+        for name, (kwargs, fragment) in cases.items():
+            args = {"x": x, "residual": residual, "weight": weight, **kwargs}
+            try:
+                ar.all_reduce_add_rms_norm(
+                    args["x"], args["residual"], args["weight"], EPS,
+                    out=args.get("out"), residual_out=args.get("residual_out"),
+                )  # fmt: skip
+                errors[name] = "no error"
+            except ValueError as e:
+                errors[name] = str(e) if fragment in str(e) else f"{e} (expected {fragment!r})"
+            except Exception as e:  # noqa: BLE001 - the wrong kind of error is the finding
+                errors[name] = f"{type(e).__name__}: {e}"
+            changed = [i for i, (t, b) in enumerate(zip(everything, before)) if not t.equal(b)]
+            if changed:
+                errors[name] += f" (tensors {changed} were written)"
+                for t, b in zip(everything, before):
+                    t.copy_(b)
+        # Nothing above reached a peer: the ranks are still in step.
+        y, r = ar.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        in_step = torch.equal(y, y_ref) and torch.equal(r, r_ref)
+        fused = ar.stats()["fused_calls"]
+    return errors, in_step, sum(fused.values())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_combination_of_outputs_is_checked_before_any_rank_talks(world, clean_shm):
+    for errors, in_step, calls in run_ranks(_bad_output_combinations, world).values():
+        wrong = {
+            name: e
+            for name, e in errors.items()
+            if not e.startswith("all_reduce_add_rms_norm: ") or "(expected" in e or "written" in e
+        }
+        assert not wrong, "\n".join(f"{name}: {e}" for name, e in wrong.items())
+        assert in_step and calls == 2, (in_step, calls)

@@ -170,15 +170,22 @@ def _written_tensor_rules(rank, world):
     ar = PcieAllReduce(None, "cpu", max_numel=4096)
     errors = {}
     leaf = torch.ones(1024, requires_grad=True)
+    rows = torch.ones(4, 256)
+    leaf_rows = torch.ones(4, 256, requires_grad=True)
+    fused = ar.all_reduce_add_rms_norm
     for name, call in {
         "leaf_in_place": lambda: ar.all_reduce_(leaf),
         "non_leaf_in_place": lambda: ar.all_reduce_(leaf * 2),
         "out_requires_grad": lambda: ar.all_reduce(torch.ones(1024), out=leaf),
+        "fused_residual_out": lambda: fused(
+            rows, rows.clone(), rows[0], 1e-6, residual_out=leaf_rows
+        ),
+        "fused_out_x": lambda: fused(leaf_rows, rows, rows[0], 1e-6, out=leaf_rows),
     }.items():
         with pytest.raises(RuntimeError) as info:
             call()
         errors[name] = str(info.value)
-    assert leaf.detach().eq(1).all()  # not written
+    assert leaf.detach().eq(1).all() and leaf_rows.detach().eq(1).all()  # not written
     with torch.inference_mode():
         inference = torch.ones(1024)
     with pytest.raises(RuntimeError) as info:
@@ -202,6 +209,11 @@ def test_written_tensors_follow_torchs_autograd_and_inference_mode_rules(clean_s
         assert "leaf Variable that requires grad" in errors["leaf_in_place"]
         assert "has no derivative" in errors["non_leaf_in_place"]
         assert "all_reduce(out=)" in errors["out_requires_grad"]
+        assert (
+            "all_reduce_add_rms_norm(residual_out=) has no derivative, but residual_out"
+            in (errors["fused_residual_out"])
+        )
+        assert "all_reduce_add_rms_norm(out=x)" in errors["fused_out_x"]
         assert "inference tensor outside InferenceMode" in errors["inference"]
         assert sums == (2.0, 2.0, 4.0)
 
