@@ -179,6 +179,26 @@ void check_written(Op op, const at::Tensor& out, std::string_view arg, const cha
   }
 }
 
+// A form that writes given tensors has no derivative, so an operand it reads that autograd tracks
+// would silently lose its gradient (torch's own out= ops refuse it too). The functional forms
+// have derivatives (bindings/derivatives.cc): they reach this with grad mode off when they build
+// a graph node, and with untracked operands otherwise.
+void check_reads(Op op, const OpArgs& a) {
+  const auto refuse = [&](const char* operand) {
+    throw std::runtime_error(writer(op, "out", nullptr) + " has no derivative, but " + operand +
+                             ", which it reads, requires grad; call the functional form (no out=), "
+                             "which has one, or call it under torch.no_grad()");
+  };
+  const auto tracked = [](const at::Tensor* t) { return t && t->defined() && t->requires_grad(); };
+  if (!a.out.is_same(a.inp) && tracked(&a.inp)) refuse("the input");
+  if (!has_epilogue(op)) return;
+  if (!(a.residual_out && a.residual && a.residual_out->is_same(*a.residual)) &&
+      tracked(a.residual)) {
+    refuse("residual");
+  }
+  if (tracked(a.weight)) refuse("weight");
+}
+
 // ------------------------------------------------------------------ each op's tensors
 
 // The all-reduce's out: like the input, or the input itself.
@@ -296,6 +316,7 @@ void check_collective(Op op, const at::Tensor& inp, const at::Tensor& out, int w
 void check_args(Op op, const OpArgs& a, int world, std::optional<int> device) {
   check_devices(op, a, device);
   check_group_dtype(op, a.inp);
+  if (at::GradMode::is_enabled()) check_reads(op, a);
   if (op.collective != plan::Collective::kAllReduce) {
     check_collective(op, a.inp, a.out, std::max(world, 1));
   } else if (has_epilogue(op)) {

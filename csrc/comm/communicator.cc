@@ -148,9 +148,9 @@ class Communicator::CallGuard {
     c.check_process();
     if (busy_.exchange(true, std::memory_order_acquire)) {
       throw std::runtime_error(
-          "two all-reduce calls entered one pcie_allreduce communicator at once (threads sharing "
-          "it?); a communicator serves one thread at a time: give each thread its own, or "
-          "serialise the calls");
+          "two calls (all-reduce, fused, reduce-scatter or all-gather) entered one "
+          "pcie_allreduce communicator at once (threads sharing it?); a communicator serves one "
+          "thread at a time: give each thread its own, or serialise the calls");
     }
   }
   ~CallGuard() { busy_.store(false, std::memory_order_release); }
@@ -251,7 +251,7 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
   if (has_epilogue(op) && !args.residual_out->defined()) {
     *args.residual_out = at::empty(args.residual->sizes(), args.residual->options());
   }
-  check_args(op, args, options_.world, device());
+  check(op, args);
   return execute(op, args, on_decline);
 }
 

@@ -185,7 +185,7 @@ def test_mutating_forms_refuse_tensors_that_require_grad(clean_shm):
     )
     assert "all_reduce_ has no derivative" in errors["in_place"]
     assert "all_reduce(out=) has no derivative" in errors["into"]
-    assert "all_reduce_add_rms_norm_ has no derivative" in errors["fused_in_place"]
+    assert "all_reduce_add_rms_norm(out=x) has no derivative" in errors["fused_in_place"]
 
 
 def _into_with_grad_input(rank, world):
@@ -200,13 +200,10 @@ def _into_with_grad_input(rank, world):
     return None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="csrc/comm/arguments.cc checks only the written tensors: an *_into call whose input "
-    "requires grad returns a result detached from it, where torch's out= ops raise",
-)
 def test_into_forms_refuse_an_input_that_requires_grad(clean_shm):
-    assert run_ranks(_into_with_grad_input, 2)[0]["value"] is not None
+    error = run_ranks(_into_with_grad_input, 2)[0]["value"]
+    assert error is not None and "all_reduce(out=) has no derivative" in error, error
+    assert "the input, which it reads, requires grad" in error, error
 
 
 def _opcheck(rank, world):

@@ -288,7 +288,7 @@ def _two_threads(rank, world):
 
 def test_two_threads_on_one_communicator_get_a_clear_error(clean_shm):
     second = run_ranks(_two_threads, 2)[0]["value"]
-    assert "two all-reduce calls entered one pcie_allreduce communicator at once" in second
+    assert "entered one pcie_allreduce communicator at once" in second
 
 
 def _table_fallback(rank, world):
