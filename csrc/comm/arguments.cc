@@ -179,24 +179,31 @@ void check_written(Op op, const at::Tensor& out, std::string_view arg, const cha
   }
 }
 
+}  // namespace
+
+const char* tracked_read(Op op, const OpArgs& a) {
+  const auto tracked = [](const at::Tensor* t) { return t && t->defined() && t->requires_grad(); };
+  if (!a.out.is_same(a.inp) && tracked(&a.inp)) return "the input";
+  if (!has_epilogue(op)) return nullptr;
+  if (!(a.residual_out && a.residual && a.residual_out->is_same(*a.residual)) &&
+      tracked(a.residual)) {
+    return "residual";
+  }
+  return tracked(a.weight) ? "weight" : nullptr;
+}
+
+namespace {
+
 // A form that writes given tensors has no derivative, so an operand it reads that autograd tracks
 // would silently lose its gradient (torch's own out= ops refuse it too). The functional forms
 // have derivatives (bindings/derivatives.cc): they reach this with grad mode off when they build
 // a graph node, and with untracked operands otherwise.
 void check_reads(Op op, const OpArgs& a) {
-  const auto refuse = [&](const char* operand) {
+  if (const char* operand = tracked_read(op, a)) {
     throw std::runtime_error(writer(op, "out", nullptr) + " has no derivative, but " + operand +
                              ", which it reads, requires grad; call the functional form (no out=), "
                              "which has one, or call it under torch.no_grad()");
-  };
-  const auto tracked = [](const at::Tensor* t) { return t && t->defined() && t->requires_grad(); };
-  if (!a.out.is_same(a.inp) && tracked(&a.inp)) refuse("the input");
-  if (!has_epilogue(op)) return;
-  if (!(a.residual_out && a.residual && a.residual_out->is_same(*a.residual)) &&
-      tracked(a.residual)) {
-    refuse("residual");
   }
-  if (tracked(a.weight)) refuse("weight");
 }
 
 // ------------------------------------------------------------------ each op's tensors

@@ -35,6 +35,11 @@ struct OpArgs {
 // dtypes and shapes, so every rank refuses alike, before any communication.
 void check_args(Op op, const OpArgs& args, int world, std::optional<int> device);
 
+// The operand a form that writes given tensors reads and autograd tracks ("the input", "residual"
+// or "weight"; one it writes in place does not count), or null. With grad mode on, check_args
+// refuses such a call and try_run declines it (Decline::kAutograd).
+const char* tracked_read(Op op, const OpArgs& args);
+
 // Where the kernels can address a tensor directly: one dense, 16-byte aligned run of elements.
 // Anything else is staged through a contiguous copy (the path never depends on a tensor's
 // layout).

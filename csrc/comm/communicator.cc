@@ -1,6 +1,7 @@
 #include "comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <pthread.h>
@@ -250,6 +251,12 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
   }
   if (has_epilogue(op) && !args.residual_out->defined()) {
     *args.residual_out = at::empty(args.residual->sizes(), args.residual->options());
+  }
+  if (on_decline == OnDecline::kReturn && at::GradMode::is_enabled() &&
+      tracked_read(op, args) != nullptr) {
+    const at::NoGradGuard untracked;  // every other argument error still raises
+    check(op, args);
+    return Decline::kAutograd;
   }
   check(op, args);
   return execute(op, args, on_decline);

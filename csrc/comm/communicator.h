@@ -44,6 +44,7 @@ namespace pcie_ar::comm {
 enum class OnDecline {
   kFallback,  // runs the op's fallback: the call always returns the correct result
   kReturn,    // returns why, touching no tensor and counting nothing: the caller runs its own
+              // (with grad mode on, also a call reading an operand autograd tracks: kAutograd)
 };
 
 class Communicator {

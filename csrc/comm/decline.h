@@ -29,6 +29,10 @@ enum class Decline : uint8_t {
   // The fused call only (all_reduce_add_rms_norm): a row (the last dimension) that is not whole
   // 16-byte vectors or is longer than plan::kMaxEpilogueHidden.
   kHidden = 14,
+  // try_run (OnDecline::kReturn) only: grad mode is on and an operand the call reads requires
+  // grad. The forms that write given tensors have no derivative, so the caller's own path, which
+  // keeps the graph, runs the call (the torch ops raise instead: their caller has no other path).
+  kAutograd = 15,
 };
 inline constexpr auto kDeclineNames = plan::name_table<Decline>(
     "decline reason", {{Decline::kNone, "none"},
@@ -45,7 +49,8 @@ inline constexpr auto kDeclineNames = plan::name_table<Decline>(
                        {Decline::kTable, "table"},
                        {Decline::kMisaligned, "misaligned"},
                        {Decline::kMultiHost, "multi_host"},
-                       {Decline::kHidden, "hidden"}});
+                       {Decline::kHidden, "hidden"},
+                       {Decline::kAutograd, "autograd"}});
 inline constexpr size_t kDeclineCount = kDeclineNames.entries.size();
 
 // "unknown" for a value outside the enum.

@@ -169,7 +169,10 @@ class PcieAllReduce(Lifecycle):
         ``out`` is None (the fused op: ``(y, residual_out)``, see
         :meth:`all_reduce_add_rms_norm`). Else ``(None, reason)``, having written nothing and
         counted nothing: the caller runs its own path and counts that call itself. Arguments
-        the op's torch op refuses raise ValueError here too."""
+        the op's torch op refuses raise ValueError here too, except one: with grad mode on, an
+        operand the call reads that requires grad (an engine's ``nn.Parameter`` weight outside
+        its inference mode) declines ``autograd`` where the torch op raises, since the caller's
+        path keeps the graph."""
         got = self._comm.try_run(op, x, out, residual, weight, float(eps), residual_out)
         return (None, got) if isinstance(got, str) else (got, None)
 

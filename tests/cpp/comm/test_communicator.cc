@@ -3,6 +3,8 @@
 // the same bits on its kernels and on its unfused path, a table change reaches every op's next
 // decision, stats() and restore_stats() carry every op's counters, and a call that declines to
 // its caller touches nothing and counts nothing.
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/full_like.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -219,6 +221,36 @@ TEST(CommunicatorOps, ADeclineReturnedToTheCallerTouchesAndCountsNothing) {
                   OnDecline::kReturn),
             Decline::kHidden);
   EXPECT_EQ(c.stats(), before);
+}
+
+// With grad mode on, an operand the call reads that autograd tracks: kReturn declines kAutograd
+// (the caller's path keeps the graph) and still raises for any other bad argument; kFallback
+// raises (the torch ops' caller has no path of its own). Grad mode off: the kernels run it.
+TEST(CommunicatorOps, AReturnedCallReadingATrackedOperandDeclinesAutograd) {
+  CommGroup group(2, kTableA, 4096);
+  Communicator& c = group[0];  // its peer never calls: nothing may wait for it
+  const Stats before = c.stats();
+  const Tensors t(0, 2);
+  const at::Tensor weight = t.weight.clone().requires_grad_(), x = t.x.clone().requires_grad_();
+  at::Tensor out = at::full_like(t.x, 7.0), y, residual_out, sum;
+  EXPECT_EQ(c.run(kAllReduceAddRmsNorm, {t.x, y, &t.residual, &weight, &residual_out, 1e-6},
+                  OnDecline::kReturn),
+            Decline::kAutograd);
+  EXPECT_EQ(c.run(kAllReduce, {x, out}, OnDecline::kReturn), Decline::kAutograd);
+  EXPECT_TRUE(at::equal(out, at::full_like(t.x, 7.0)));
+  const at::Tensor short_weight = weight.narrow(0, 0, kHidden - 8);
+  EXPECT_THROW(c.run(kAllReduceAddRmsNorm, {t.x, y, &t.residual, &short_weight, &residual_out},
+                     OnDecline::kReturn),
+               std::invalid_argument);
+  EXPECT_THROW(c.run(kAllReduce, {x, sum}), std::runtime_error);
+  EXPECT_EQ(c.stats(), before);
+  group.each([&](int rank, Communicator& comm) {
+    const at::NoGradGuard untracked;
+    const Tensors mine(rank, 2);
+    const at::Tensor tracked = mine.x.clone().requires_grad_();
+    at::Tensor result;
+    EXPECT_EQ(comm.run(kAllReduce, {tracked, result}, OnDecline::kReturn), Decline::kNone);
+  });
 }
 
 TEST(CommunicatorArgs, BadArgumentsRaiseBeforeAnyCommunication) {

@@ -84,30 +84,40 @@ def _fused(rank: int, world: int, enabled: bool) -> dict[str, Any]:
         norm.weight.copy_(weight.to(dtype))
     x, res = xs[rank].to(dtype), residual.to(dtype)
     plan = type("Plan", (), {"norm": norm})()
-    # The boundary's attention -> FFN step: the fused kernel when the gate is open, else None
-    # (the boundary then runs its unfused all-reduce and norm).
-    result = boundary_fusions.fused_ffn_input(plan, x.clone(), res, None)
+    # SGLang's event loop runs the model under its DynamicGradMode (inference mode, else
+    # no_grad), so RMSNorm's weight, an nn.Parameter that requires grad, is not tracked there.
+    with torch.inference_mode():
+        # The boundary's attention -> FFN step: the fused kernel when the gate is open, else None
+        # (the boundary then runs its unfused all-reduce and norm).
+        result = boundary_fusions.fused_ffn_input(plan, x.clone(), res, None)
     out["boundary_error"] = (
         _error(xs, residual, weight, dtype, *result) if result is not None else None
     )
     if not enabled:  # SGLang's fused op has no CPU kernel: nothing more to call on a CPU
         tp.destroy()
         return out
-    # The real RMSNorm entry the boundary calls.
-    before = res.clone()
-    y, r = norm.forward_with_allreduce_fusion(x.clone(), res)
-    out["norm_error"] = _error(xs, residual, weight, dtype, y, r)
-    out["fresh"] = r.data_ptr() != res.data_ptr() and torch.equal(res, before)
-    out["routed"] = slot.stats()["fused_routed"]
+    with torch.inference_mode():
+        # The real RMSNorm entry the boundary calls.
+        before = res.clone()
+        y, r = norm.forward_with_allreduce_fusion(x.clone(), res)
+        out["norm_error"] = _error(xs, residual, weight, dtype, y, r)
+        out["fresh"] = r.data_ptr() != res.data_ptr() and torch.equal(res, before)
+        out["routed"] = slot.stats()["fused_routed"]
 
-    # Declined: more rows than the workspace holds. SGLang's own path (its all-reduce, then
-    # its norm into a fresh residual) gives the same result.
-    big_xs, big_res, _ = _inputs(2 * ROWS)
-    bx, bres = big_xs[rank].to(dtype), big_res.to(dtype)
-    bbefore = bres.clone()
-    y, r = norm.forward_with_allreduce_fusion(bx.clone(), bres)
-    out["declined_error"] = _error(big_xs, big_res, weight, dtype, y, r)
-    out["declined_residual_untouched"] = torch.equal(bres, bbefore)
+        # Declined: more rows than the workspace holds. SGLang's own path (its all-reduce, then
+        # its norm into a fresh residual) gives the same result.
+        big_xs, big_res, _ = _inputs(2 * ROWS)
+        bx, bres = big_xs[rank].to(dtype), big_res.to(dtype)
+        bbefore = bres.clone()
+        y, r = norm.forward_with_allreduce_fusion(bx.clone(), bres)
+        out["declined_error"] = _error(big_xs, big_res, weight, dtype, y, r)
+        out["declined_residual_untouched"] = torch.equal(bres, bbefore)
+
+    # Declined: grad mode on, so the weight is tracked and our op, which has no derivative in
+    # this form, leaves the call to SGLang's path, which keeps the graph.
+    y, r = norm.forward_with_allreduce_fusion(x.clone(), res)
+    out["tracked_error"] = _error(xs, residual, weight, dtype, y, r)
+    out["tracked_keeps_graph"] = y.requires_grad
     stats = slot.stats()
     out["routed_after"] = stats["fused_routed"]
     out["fused_declines"] = stats["fused_declines"]
@@ -132,7 +142,9 @@ def test_sglang_fused_call_site_reaches_our_op_and_declines_to_sglangs_path():
         assert v["fresh"]  # FlashInfer's contract: a new residual, the input one untouched
         assert v["routed"] == 2
         assert v["declined_error"] <= BF16_TOLERANCE and v["declined_residual_untouched"]
-        assert v["routed_after"] == 2 and v["fused_declines"] == {"too_large": 1}
+        assert v["tracked_error"] <= BF16_TOLERANCE and v["tracked_keeps_graph"]
+        assert v["routed_after"] == 2
+        assert v["fused_declines"] == {"too_large": 1, "autograd": 1}
         assert v["kernel_fused_calls"] == 2
         summary = [m for _, m in r["logs"] if "fused add+rms_norm: 2 routed" in m]
         assert len(summary) == 1, r["logs"]

@@ -5,6 +5,7 @@ every operation. Real processes, real shared memory, a real gloo group."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import run_ranks
 
@@ -46,13 +47,30 @@ def _try_run(rank, world):
                 "all_reduce_add_rms_norm", x, residual=residual, weight=weight.double(), eps=1e-6
             ),
         }
-        assert declined == {
+        assert {
+            k: declined[k] for k in ("all_reduce", "reduce_scatter", "all_gather", "fused")
+        } == {
             "all_reduce": (None, "too_large"),
             "reduce_scatter": (None, "too_large"),
             "all_gather": (None, "too_large"),
             "fused": (None, "dtype"),
         }
+        # Grad mode on and an operand it reads tracked (an engine's nn.Parameter outside its
+        # inference mode): the caller's differentiable path runs the call.
+        tracked = weight.clone().requires_grad_()
+        declined["fused_tracked"] = ar.try_run(
+            "all_reduce_add_rms_norm", x, residual=residual, weight=tracked, eps=1e-6
+        )
+        declined["all_reduce_tracked"] = ar.try_run("all_reduce", x.clone().requires_grad_())
+        assert declined["fused_tracked"] == declined["all_reduce_tracked"] == (None, "autograd")
+        with pytest.raises(ValueError, match="weight"):  # other argument errors still raise
+            ar.try_run("all_reduce_add_rms_norm", x, residual=residual, weight=tracked[:-4])
         assert ar.stats() == counted  # a decline counts nothing: the caller's path runs it
+        with torch.no_grad():  # the engine's inference mode: nothing is tracked, the kernels run
+            fused, reason = ar.try_run(
+                "all_reduce_add_rms_norm", x, residual=residual, weight=tracked, eps=1e-6
+            )
+        assert reason is None and all(torch.equal(a, b) for a, b in zip(fused, expected))
         assert bool((untouched == -1.0).all())
         assert ar.decline("all_reduce", big) == "too_large" == ar.decline_reason(big)
         assert ar.decline("all_reduce_add_rms_norm", x, weight.double()) == "dtype"
