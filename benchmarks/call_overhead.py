@@ -71,12 +71,16 @@ def _rank(rank: int, world: int, init: str, calls: int, out: str) -> None:
             json.dump(worst, f)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--calls", type=int, default=30000)
     parser.add_argument("--json", help="also write {entry: us per call} here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         mp.spawn(

@@ -39,11 +39,15 @@ def _rank(rank: int, world: int, port: int, reps: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -389,7 +389,7 @@ def _print_table(
         print(f"- WRONG: {line}")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, nargs="+", default=[2])
     p.add_argument("--dtype", nargs="+", choices=["bf16", "fp32"], default=["bf16"])
@@ -410,7 +410,11 @@ def main() -> int:
     p.add_argument(
         "--quick", action="store_true", help="smoke run: sizes 1K 64K 1M, 3 rounds, 0.03 s budget"
     )
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.quick:
         args.sizes = args.sizes or [1 << 10, 1 << 16, 1 << 20]
         args.rounds, args.budget = 3, 0.03

@@ -96,7 +96,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     dist.destroy_process_group()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -109,7 +109,11 @@ def main() -> int:
         action="store_true",
         help="time only the seed table's choice (to compare two builds)",
     )
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _port()

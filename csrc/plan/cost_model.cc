@@ -20,7 +20,7 @@ ExecutorModel current_executor() {
   e.dense_first_look_group = 4;       // kLLDenseGroup on sm_120
   e.parallel_first_look = true;       // gather_ll_group: loads, then compares (tests/sass)
   e.parallel_relooks = false;         // a missed operand: await_ll, one at a time
-  e.multi_destination_copies = true;  // runs of copies of one chunk: run_fanout (item 2)
+  e.multi_destination_copies = true;  // runs of copies of one chunk: run_fanout
   return e;
 }
 

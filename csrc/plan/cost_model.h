@@ -30,8 +30,8 @@ enum class Placement : uint8_t { kDeviceMemory = 0, kHostMemory = 1 };
 
 // Latencies in microseconds, bandwidths in GB/s (1 GB/s moves 1,000 bytes per microsecond).
 // Defaults: PCIe Gen5 x16 GPUs on two sockets, the kernel one node of a CUDA graph. "Published"
-// values are the physical facts in the project's reference notes (shared/reference/ANCHORS.md);
-// "guess" values wait for `pcie_gpu_microbench` (docs/benchmarks.md, "The cost model").
+// values are physical facts from published measurements and vendor figures; "guess" values wait
+// for `pcie_gpu_microbench` (docs/benchmarks.md, "The cost model").
 struct LatencyModel {
   double launch_us = 0.6;               // a kernel node of a CUDA graph (published: about 0.6)
   double local_load_us = 0.3;           // a load or poll of this GPU's own L2 (guess)

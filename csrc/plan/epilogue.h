@@ -1,4 +1,4 @@
-// The fused epilogue of a decoder layer (issue 24): after the all-reduce,
+// The fused epilogue of a decoder layer: after the all-reduce,
 //   residual_out = sum + residual
 //   y            = rms_norm(residual_out) * weight
 // per row of `hidden` elements, where `sum` is the all-reduce's result as the schedule forms it.

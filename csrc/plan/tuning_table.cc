@@ -28,7 +28,7 @@ host_shm,2,*,262144,*,twoshot,pull,0,1,32
 host_shm,*,*,0,65536,oneshot,push,0,1,32
 host_shm,*,*,65536,1048576,twoshot,push,0,1,32
 host_shm,*,*,1048576,*,twoshot,pull,0,1,32
-# The reduce-scatter and all-gather (issue 25): the all-reduce's rows in two-shot form, measured
+# The reduce-scatter and all-gather: the all-reduce's rows in two-shot form, measured
 # against the alternatives at world 2 (flag push and pull within a few %, LL and lamport 2-5x
 # slower, docs/benchmarks.md).
 host_shm,2,*,0,262144,reduce_scatter:twoshot,push,0,1,32
@@ -47,8 +47,8 @@ nvlink,*,*,0,*,all_gather:fallback,,,,
 # PCIe host; regenerate them with `python -m pcie_allreduce.tuning.model` after a refit (a test
 # holds them equal to the model). Per bucket, the tactic with the lowest modelled time of one
 # call; push only over P2P (pull is the fabric's call: only a tune may pick it). Decode sizes
-# take lamport (issue 23): LL's steps with the payload moved once.
-# Each family's reduce-scatter and all-gather rows follow its all-reduce rows (issue 25), each
+# take lamport: LL's steps with the payload moved once.
+# Each family's reduce-scatter and all-gather rows follow its all-reduce rows, each
 # collective judged on its own modelled cost: flat two-shot halves at decode sizes, the island
 # forms where crossing the socket link once per chunk pays.
 # GPUs without peer-to-peer (the cuda_host transport: every workspace in shared pinned host

@@ -843,7 +843,7 @@ void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
   latency_table.push_back(line);
 }
 
-// Reduce-scatter and all-gather (issue 25): every buildable tactic of each, flat and (world >= 4)
+// Reduce-scatter and all-gather: every buildable tactic of each, flat and (world >= 4)
 // two halves, bf16 and fp32, a 96 KiB message (12 KiB for LL tactics). The one-chunk tensors are
 // addressed as the Communicator addresses them, from `rank` chunks below the tensor. The
 // reduce-scatter's chunk must equal, bit for bit, chunk r of the all-reduce of the same

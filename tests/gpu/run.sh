@@ -13,10 +13,10 @@
 #
 #   bash tests/gpu/run.sh [all|kernels|torch|hostmem]
 #
-# One device command may run at most 10 minutes, so the parts can run as separate calls on the
-# same warm machine (the builds are kept): `kernels` (the check programs: loopback, microbench,
-# PDL off, failure paths), `torch` (the extension, torch and hostmem checks, topo, tune, doctor),
-# `hostmem` (only what the cuda_host transport owes: its loopback pass, the microbenchmarks with
+# The parts can run as separate commands on one machine (the builds are kept between them), so
+# each fits a short time limit: `kernels` (the check programs: loopback, microbench, PDL off,
+# failure paths), `torch` (the extension, torch and hostmem checks, topo, tune, doctor),
+# `hostmem` (only the cuda_host transport's checks: its loopback pass, the microbenchmarks with
 # the pinned-copy baseline, and the hostmem check). Default: all.
 set -o pipefail
 set -u

@@ -92,7 +92,7 @@ def body(rank: int, world: int) -> list[str]:
                 f"PASS {label}: {calls + 41} checked calls + graph x40; 12 KiB eager "
                 f"{us:.1f} us/call (time-sliced); calls={stats['calls']}"
             )
-    # Reduce-scatter and all-gather (issue 25) on CUDA tensors: every tactic family, dim 0,
+    # Reduce-scatter and all-gather on CUDA tensors: every tactic family, dim 0,
     # eager and under CUDA-graph replay; the reduce-scatter is its rows of the all-reduce's
     # bits, the all-gather every rank's bits; bytes after a one-chunk output stay untouched.
     for label, table in (

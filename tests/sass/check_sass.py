@@ -29,7 +29,7 @@ What is checked, in every executor kernel (executor_kernel<T, D>) of every archi
 (c) The same for a lamport group: every lamport load of the group is issued before the first
     compare of any of its words with the empty word (kLLEmpty, 0x80000000).
 
-(d) Delivery loads once (issue 23, item 2): a run of copies of one chunk to several peers is one
+(d) Delivery loads once: a run of copies of one chunk to several peers is one
     loop that loads each vector once and stores it to every destination (run_fanout in
     executor.cuh), up to kMaxFanout = 7 destinations, both to plain slots (flag) and to LL slots
     (LL and lamport: volatile stores).
@@ -65,7 +65,7 @@ with no other backward branch inside. Its fan-out is the number of its 16-byte g
 by the number of its 16-byte global loads (an unrolled loop has as many of each per iteration).
 Per push kernel, the widest fan-out of loops storing
 plain (st.global.cg) and of loops storing volatile (LL, lamport) must both reach 7. A loop that
-re-loads its source per destination, as the executor did before item 2, has a fan-out of 1.
+re-loads its source per destination (one copy step at a time) has a fan-out of 1.
 
 The check also requires that every push kernel holds windows with two or more LL pairs and
 windows with two or more lamport loads: if none are found the SASS has changed shape and the

@@ -1,4 +1,4 @@
-// The CUDA executor's fused epilogue (issue 24) on the CPU device: every buildable tactic with
+// The CUDA executor's fused epilogue on the CPU device: every buildable tactic with
 // plan::with_epilogue, each dtype, both launch shapes, strict and weak memory, both placements,
 // out of place and in place. The fused call must give, bit for bit, what the plain all-reduce of
 // the same inputs followed by the host executor's epilogue (executors/host/epilogue.cc) gives:

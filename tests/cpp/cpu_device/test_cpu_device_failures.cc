@@ -117,7 +117,7 @@ TEST_P(CpuDeviceFailure, AMissingPeerTimesOutNamingIt) {
   EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
 }
 
-// Issue 23, item 5: a trap ends the whole grid at once. Every CTA of rank 0 times out together
+// A trap ends the whole grid at once. Every CTA of rank 0 times out together
 // and one thread wins the claim; while its system fences take their time (2 ms here: they cost
 // microseconds over PCIe), the threads that lost must not trap, or the grid ends with the record
 // half-written and the host finds no failure recorded. Repeated, since which CTA wins varies.
@@ -208,10 +208,10 @@ INSTANTIATE_TEST_SUITE_P(Paths, CpuDeviceFailure, ::testing::ValuesIn(failure_pa
 
 // ---------------------------------------------------------------- a call only one rank ran
 
-// Issue 26, item 1, on the CUDA executor: rank 0 sends a call to the fallback (it runs the skip
-// program, as the communicator does) while rank 1 runs it on the kernels and times out. At the
-// next call of the same shape rank 0 must not sum what rank 1 left for the abandoned call: it
-// times out naming rank 1. Without the skip (the control) it returns that mixed sum.
+// On the CUDA executor: rank 0 sends a call to the fallback (it runs the skip program, as the
+// communicator does) while rank 1 runs it on the kernels and times out. At the next call of the
+// same shape rank 0 must not sum what rank 1 left for the abandoned call: it times out naming
+// rank 1. Without the skip (the control) it returns that mixed sum.
 struct DivergenceParam {
   Protocol protocol;
   MemoryModel memory;

@@ -32,7 +32,7 @@ LatencyModel powers_of_two() {
   return l;
 }
 
-// The executor before issue 23's item 1: every LL compare waits for its own load.
+// An executor with a serial first look: every LL compare waits for its own load.
 ExecutorModel serial() {
   ExecutorModel e;
   e.first_look_group = 8;
@@ -257,7 +257,7 @@ TEST(CostModel, RefusesMalformedInput) {
 namespace pcie_ar::plan {
 namespace {
 
-// Issue 24: the fused epilogue adds the rank's CTA meeting and two local passes over its rows,
+// The fused epilogue adds the rank's CTA meeting and two local passes over its rows,
 // nothing that crosses the fabric: every buildable tactic, P2P and host memory, at a decode
 // size, costs exactly three local loads more and moves the same bytes.
 TEST(CostModel, TheFusedEpilogueAddsNoFabricRoundTrip) {

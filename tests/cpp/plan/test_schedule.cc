@@ -309,7 +309,7 @@ TEST_P(EveryAcceptedSchedule, FusingFoldsOnlyForwardingCopiesIntoSums) {
   }
 }
 
-// The fused schedule of every tactic (issue 24): the same programs plus one epilogue each, proven
+// The fused schedule of every tactic: the same programs plus one epilogue each, proven
 // whole-output-first, and no dearer between ranks: the same fences, peer polls and fabric hops.
 TEST_P(EveryAcceptedSchedule, WithEpilogueVerifiesAndCostsNoFabric) {
   const Case& c = GetParam();

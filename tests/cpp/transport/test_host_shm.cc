@@ -239,7 +239,7 @@ TEST(HostShm, TimeoutNamesThePeerThatNeverCalled) {
   EXPECT_EQ(g.reports[2].outcome, kReturned) << describe_child(g, 2);
 }
 
-// Issue 26, item 3: a wait that has yielded asks the interrupt check now and then, and a true
+// A wait that has yielded asks the interrupt check now and then, and a true
 // abandons the call at once with kInterrupted at that step (recorded: the next call is refused),
 // long before the deadline; flag and LL waits alike. Rank 1 never calls. The timeout is long
 // (10 s) so that only the check can end the wait.
@@ -276,7 +276,7 @@ TEST(HostShm, AnInterruptCheckThatSaysStopEndsAWaitAtOnceAndFailsTheWorkspace) {
   }
 }
 
-// Issue 26, item 1: rank 0 sends a call to the fallback (it runs plan::skip_program, as the
+// Rank 0 sends a call to the fallback (it runs plan::skip_program, as the
 // communicator does) while rank 1 runs it on the executor and times out. At the next call of the
 // same shape rank 0 must not sum what rank 1 left for the abandoned call: it times out naming
 // rank 1. Without the skip (`skip` false, the control) it returns that mixed sum, which is why

@@ -2,7 +2,7 @@
 
 Every rank is a spawned process with its own gloo process group (what SGLang's launcher gives
 a scheduler process), so SGLang's plugin loader, hook registry and GroupCoordinator run once
-per process exactly as in a server. Following shared/reference/ENGINES.md: groups are gloo,
+per process exactly as in a server. Groups are gloo,
 ``SGLANG_NCCL_SO_PATH=/nonexistent`` gives SGLang a disabled pynccl object (its
 ``_all_reduce_out_place`` asserts that one accelerated communicator exists), and the custom
 all-reduce is off (it needs CUDA). Tensors are CPU tensors, so our slot runs the host transport.
@@ -144,7 +144,7 @@ def publish(**fields: Any) -> None:
 
     SGLang's test helper (override_server_args) runs the whole argument resolution, and
     publishing computes the derived leaves; both import the model configs, which need
-    transformers (not installed: ENGINES.md's CPU recipe). Neither is needed for the leaves the
+    transformers (not installed in the CPU test venv). Neither is needed for the leaves the
     integration reads (none is derived), so resolution is skipped and the derived leaves are
     left out."""
     import sglang.srt.runtime_context as rc

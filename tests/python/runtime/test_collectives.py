@@ -1,4 +1,4 @@
-"""Reduce-scatter and all-gather (issue 25) on the host shared-memory transport: real processes,
+"""Reduce-scatter and all-gather on the host shared-memory transport: real processes,
 real shared memory, real gloo groups. Every tactic's reduce-scatter is, bit for bit, its rows of
 the same table row's all-reduce (the same sums in the same order), within rounding of a float64
 reference; every all-gather returns every rank's bits (NaN payloads included). Declines say why,

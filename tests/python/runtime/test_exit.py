@@ -1,11 +1,11 @@
-"""Issue 26, item 4: a process whose construction timed out exits cleanly.
+"""A process whose construction timed out exits cleanly.
 
 A construction that times out leaves a daemon thread blocked in gloo for each peer that never
 arrived. When every process then exits at once, a peer's exit wakes that thread while the
 interpreter finalizes; Python ends it with pthread_exit, whose forced unwind through pybind11
-calls std::terminate (SIGABRT in 20 of 24 processes). Now the bootstrap's exit hook aborts those
-waits and joins their threads first. Real processes, a real gloo group; each rank's exit status
-is checked."""
+calls std::terminate (without the exit hook: SIGABRT in 20 of 24 processes). The bootstrap's
+exit hook aborts those waits and joins their threads first. Real processes, a real gloo group;
+each rank's exit status is checked."""
 
 from __future__ import annotations
 

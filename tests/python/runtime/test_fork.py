@@ -1,4 +1,4 @@
-"""Issue 26, item 2: a child forked from a rank cannot use the rank's communicator. Its peers
+"""A child forked from a rank cannot use the rank's communicator. Its peers
 know only the parent as that rank; a child accepted in its place would race the parent on the
 same slots and flags. Real processes, a real gloo group, the host transport."""
 

@@ -1,4 +1,4 @@
-"""The fused all-reduce + residual add + RMSNorm (issue 24) on the host shared-memory transport:
+"""The fused all-reduce + residual add + RMSNorm on the host shared-memory transport:
 real processes, real shared memory, real gloo groups. Every tactic's fused result is, bit for
 bit, plan/epilogue.h's arithmetic applied to the plain all-reduce's result (the host executor's
 epilogue), within rounding of a float64 reference, the same on every rank, and the same for a row

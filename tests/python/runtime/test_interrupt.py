@@ -1,4 +1,4 @@
-"""Issue 26, item 3: Ctrl-C inside a call on the host transport surfaces as KeyboardInterrupt
+"""Ctrl-C inside a call on the host transport surfaces as KeyboardInterrupt
 within a fraction of a second, whatever the timeout (0 waits forever), and leaves the
 communicator failed, not silently out of step with its peers. Real processes, a real gloo group;
 the signal is a real SIGINT the rank sends itself while its peer stays away."""

@@ -31,7 +31,7 @@ def test_the_vocabulary_agrees_with_the_extensions():
     from pcie_allreduce import _C
 
     if not hasattr(_C, "transport_names"):
-        pytest.skip("this _C predates _C.transport_names() (issue 21, branch house-cpp)")
+        pytest.skip("this _C predates _C.transport_names()")
     ours = {name: sorted(aliases) for name, aliases in policy.transport_names().items()}
     theirs = {name: sorted(aliases) for name, aliases in _C.transport_names().items()}
     assert ours == theirs

@@ -1,4 +1,4 @@
-"""Issue 9's defects, each reproduced: bounded construction that names the missing rank,
+"""The reliability rules, each tried: bounded construction that names the missing rank,
 destroy() that never waits for a failed peer, PCIE_ALLREDUCE_ENABLE, multi-host groups, no
 numpy, the autograd and inference-mode rules for written tensors, and argument errors."""
 

@@ -1,10 +1,11 @@
-"""Issue 26, items 5 and 6: the tuning cache cannot be turned against its user, and a tune that
-cannot use it fails on every rank alike.
+"""The tuning cache cannot be turned against its user, and a tune that cannot use it fails on
+every rank alike.
 
-A FIFO at the cache path blocked rank 0 and doctor forever, a symlink to /dev/zero read until
-memory ran out, a planted symlink at the lock made tune truncate any file its user can write, a
-table planted by another user was trusted, and a killed writer's temporary file stayed. Each is
-tried here on real files (as root, the tests can play the second user with chown)."""
+Unguarded, a FIFO at the cache path would block rank 0 and doctor forever, a symlink to
+/dev/zero would read until memory ran out, a planted symlink at the lock would make tune truncate
+any file its user can write, a table planted by another user would be trusted, and a killed
+writer's temporary file would stay. Each is tried here on real files (as root, the tests can
+play the second user with chown)."""
 
 from __future__ import annotations
 

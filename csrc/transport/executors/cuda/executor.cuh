@@ -490,7 +490,7 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
 
 // ------------------------------------------------------------------ fan-out copies
 
-// Delivery (issue 23, item 2): a run of copy steps that send the same chunk of this rank's own
+// Delivery: a run of copy steps that send the same chunk of this rank's own
 // input or output to several places (one-shot's copies to every peer, the all-gather's copies of
 // a reduced chunk) is one pass: each vector is loaded once and stored to every destination,
 // instead of once per step, each step waiting for its own load. The steps stay in the program

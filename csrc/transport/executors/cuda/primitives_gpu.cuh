@@ -179,12 +179,12 @@ __device__ __forceinline__ void allow_dependent_grids() {
 // before its first tag compare (tests/sass/check_sass.py). Measured per kernel:
 //   group 4: fp32 spills (4-8 bytes) on sm_86/89/120; no spill on sm_80/90/100, but ptxas gives a
 //            later operand's load the registers of an earlier operand's data, so that operand's
-//            tag compares move above the load (the look is half serial; sm_100 was clean before
-//            the lamport kernels joined the executor, and is not since);
-//   group 3: was clean on sm_120 until the fan-out copies joined the executor (issue 23, item
-//            2): since, a long-lived value (the rank, the step count, the thread index: whichever
-//            one is not re-derived) spills 4-8 bytes in the bf16/fp16 or fp32 push kernel;
-//            fp32 spills on sm_86/89; half-serial looks on sm_80/90/100;
+//            tag compares move above the load (the look is half serial; sm_100 is clean only
+//            without the lamport kernels in the executor);
+//   group 3: on sm_120, with the fan-out copies (run_fanout) in the executor, a long-lived
+//            value (the rank, the step count, the thread index: whichever one is not
+//            re-derived) spills 4-8 bytes in the bf16/fp16 or fp32 push kernel; fp32 spills on
+//            sm_86/89; half-serial looks on sm_80/90/100;
 //   group 2: clean on sm_86/89/90/100/120; on sm_80 two of sixteen fp32 looks still compare
 //            early.
 // Larger groups save round trips when a reduce has more operands than one group; lamport, the
