@@ -208,3 +208,26 @@ def test_generated_tables_match_what_their_sources_print_now():
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_documents_reaches_a_file_and_heading():
+    broken = []
+    for doc in [p for p in DOCS if p.exists()] + [ROOT / "benchmarks/README.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (doc.parent / path).resolve() if path else doc
+            if not linked.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}: no such file")
+            elif anchor and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{doc.relative_to(ROOT)}: {target}: no such heading")
+    assert not broken, "\n".join(broken)
+    assert _slug("## GPUs without P2P: `cuda_host`".lstrip("# ")) == "gpus-without-p2p-cuda_host"
