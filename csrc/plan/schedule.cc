@@ -557,6 +557,12 @@ std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
            " has no half that is one";
   }
   if (!flag_in_data(tactic.protocol)) return std::nullopt;
+  if (collective == Collective::kAllGather && tactic.protocol == Protocol::kLamport) {
+    return std::string(
+        "an all_gather moves every bit, and the lamport protocol stores -0 as +0 "
+        "(its empty word): the owner's chunk would keep -0 and its peers' copies "
+        "would not; use ll");
+  }
   const std::string name(protocol_name(tactic.protocol));
   if (tactic.direction != Direction::kPush) {
     return "the " + name +

@@ -50,7 +50,8 @@ std::optional<std::string> why_unsupported(Algorithm algorithm, int world,
 // nullopt. Besides the above: LL is push-only (a pull reader would poll the writer's memory
 // across the fabric) and unstaged (data is read where it lands, as soon as it lands); a
 // reduce-scatter or all-gather is built from the two-shot algorithms only (one-shot has no half
-// that is one).
+// that is one); an all-gather is not built on lamport, which stores -0 as +0 (an all-gather
+// moves every bit, and every rank's copy of a chunk must be the owner's).
 std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
                                            const std::vector<int>& island_of,
                                            Collective collective = Collective::kAllReduce);

@@ -10,9 +10,12 @@ bool is_island_algorithm(Algorithm algorithm) {
   return algorithm == Algorithm::kIslandOneshot || algorithm == Algorithm::kIslandTwoshot;
 }
 
-Tactic two_shot_form(Tactic tactic) {
+Tactic two_shot_form(Tactic tactic, Collective collective) {
   if (tactic.algorithm == Algorithm::kOneshot) tactic.algorithm = Algorithm::kTwoshot;
   if (tactic.algorithm == Algorithm::kIslandOneshot) tactic.algorithm = Algorithm::kIslandTwoshot;
+  if (collective == Collective::kAllGather && tactic.protocol == Protocol::kLamport) {
+    tactic.protocol = Protocol::kLL;
+  }
   return tactic;
 }
 

@@ -104,10 +104,12 @@ inline std::optional<Protocol> parse_protocol(std::string_view name) {
   return kProtocolNames.find(name);
 }
 
-// The same tactic as the two halves of an all-reduce: twoshot for oneshot, island_twoshot for
-// island_oneshot (a one-shot all-reduce is a two-shot's reduce-scatter and all-gather fused),
-// every other field kept. Two-shot algorithms are their own form.
-Tactic two_shot_form(Tactic tactic);
+// The same tactic as `collective`, a half of an all-reduce: twoshot for oneshot, island_twoshot
+// for island_oneshot (a one-shot all-reduce is a two-shot's reduce-scatter and all-gather
+// fused), every other field kept; except that an all-gather takes lamport's LL twin (the same
+// steps), since lamport stores -0 as +0 and an all-gather moves every bit. Two-shot algorithms
+// are their own form.
+Tactic two_shot_form(Tactic tactic, Collective collective);
 
 // "oneshot/push/staged/flag/b16/t256": stable, used as the stats key.
 std::string tactic_label(const Tactic& tactic);

@@ -47,7 +47,8 @@ nvlink,*,*,0,*,all_gather:fallback,,,,
 # PCIe host; regenerate them with `python -m pcie_allreduce.tuning.model` after a refit (a test
 # holds them equal to the model). Per bucket, the tactic with the lowest modelled time of one
 # call; push only over P2P (pull is the fabric's call: only a tune may pick it). Decode sizes
-# take lamport: LL's steps with the payload moved once.
+# take lamport: LL's steps with the payload moved once; all-gathers take LL, since lamport stores
+# -0 as +0 and an all-gather moves every bit.
 # Each family's reduce-scatter and all-gather rows follow its all-reduce rows, each
 # collective judged on its own modelled cost: flat two-shot halves at decode sizes, the island
 # forms where crossing the socket link once per chunk pays.
@@ -57,15 +58,17 @@ cuda_host,2,*,0,131072,oneshot,push,0,8,256,lamport
 cuda_host,2,*,131072,*,oneshot,push,0,32,512
 cuda_host,2,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
 cuda_host,2,*,262144,*,reduce_scatter:twoshot,push,0,32,512
-cuda_host,2,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
-cuda_host,2,*,262144,*,all_gather:twoshot,push,0,32,512
+cuda_host,2,*,0,65536,all_gather:twoshot,push,0,8,256,ll
+cuda_host,2,*,65536,131072,all_gather:twoshot,push,0,16,256
+cuda_host,2,*,131072,*,all_gather:twoshot,push,0,32,512
 cuda_host,4,*,0,16384,oneshot,push,0,8,256,lamport
 cuda_host,4,*,16384,131072,oneshot,push,0,16,256
 cuda_host,4,*,131072,262144,oneshot,push,0,32,512
 cuda_host,4,*,262144,*,twoshot,push,0,32,512
 cuda_host,4,*,0,131072,reduce_scatter:twoshot,push,0,8,256,lamport
 cuda_host,4,*,131072,*,reduce_scatter:twoshot,push,0,32,512
-cuda_host,4,*,0,131072,all_gather:twoshot,push,0,8,256,lamport
+cuda_host,4,*,0,65536,all_gather:twoshot,push,0,8,256,ll
+cuda_host,4,*,65536,131072,all_gather:twoshot,push,0,16,256
 cuda_host,4,*,131072,*,all_gather:twoshot,push,0,32,512
 cuda_host,*,*,0,8192,oneshot,push,0,8,256,lamport
 cuda_host,*,*,8192,131072,oneshot,push,0,16,256
@@ -73,7 +76,8 @@ cuda_host,*,*,131072,262144,twoshot,push,0,8,256,lamport
 cuda_host,*,*,262144,*,twoshot,push,0,32,512
 cuda_host,*,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
 cuda_host,*,*,262144,*,reduce_scatter:twoshot,push,0,32,512
-cuda_host,*,*,0,131072,all_gather:twoshot,push,0,8,256,lamport
+cuda_host,*,*,0,65536,all_gather:twoshot,push,0,8,256,ll
+cuda_host,*,*,65536,131072,all_gather:twoshot,push,0,16,256
 cuda_host,*,*,131072,*,all_gather:twoshot,push,0,32,512
 # Two sockets: reduce inside each island and cross the socket link once.
 islands-2x4,8,*,0,16384,island_oneshot,push,0,8,256,lamport
@@ -84,8 +88,8 @@ islands-2x4,8,*,0,32768,reduce_scatter:twoshot,push,0,8,256,lamport
 islands-2x4,8,*,32768,262144,reduce_scatter:island_twoshot,push,0,8,256,lamport
 islands-2x4,8,*,262144,1048576,reduce_scatter:island_twoshot,push,0,32,512
 islands-2x4,8,*,1048576,*,reduce_scatter:island_twoshot,push,1,32,512
-islands-2x4,8,*,0,32768,all_gather:twoshot,push,0,8,256,lamport
-islands-2x4,8,*,32768,262144,all_gather:island_twoshot,push,0,8,256,lamport
+islands-2x4,8,*,0,16384,all_gather:twoshot,push,0,8,256,ll
+islands-2x4,8,*,16384,262144,all_gather:island_twoshot,push,0,8,256,ll
 islands-2x4,8,*,262144,1048576,all_gather:island_twoshot,push,0,32,512
 islands-2x4,8,*,1048576,*,all_gather:island_twoshot,push,1,32,512
 islands-2x3,6,*,0,32768,island_oneshot,push,0,8,256,lamport
@@ -95,8 +99,8 @@ islands-2x3,6,*,0,65536,reduce_scatter:twoshot,push,0,8,256,lamport
 islands-2x3,6,*,65536,262144,reduce_scatter:island_twoshot,push,0,8,256,lamport
 islands-2x3,6,*,262144,524288,reduce_scatter:island_twoshot,push,0,32,512
 islands-2x3,6,*,524288,*,reduce_scatter:island_twoshot,push,1,32,512
-islands-2x3,6,*,0,65536,all_gather:twoshot,push,0,8,256,lamport
-islands-2x3,6,*,65536,262144,all_gather:island_twoshot,push,0,8,256,lamport
+islands-2x3,6,*,0,32768,all_gather:twoshot,push,0,8,256,ll
+islands-2x3,6,*,32768,262144,all_gather:island_twoshot,push,0,8,256,ll
 islands-2x3,6,*,262144,524288,all_gather:island_twoshot,push,0,32,512
 islands-2x3,6,*,524288,*,all_gather:island_twoshot,push,1,32,512
 islands-2x2,4,*,0,4096,oneshot,push,0,8,256,lamport
@@ -106,15 +110,15 @@ islands-2x2,4,*,262144,*,island_twoshot,push,0,32,512
 islands-2x2,4,*,0,65536,reduce_scatter:twoshot,push,0,8,256,lamport
 islands-2x2,4,*,65536,262144,reduce_scatter:island_twoshot,push,0,8,256,lamport
 islands-2x2,4,*,262144,*,reduce_scatter:island_twoshot,push,0,32,512
-islands-2x2,4,*,0,65536,all_gather:twoshot,push,0,8,256,lamport
-islands-2x2,4,*,65536,262144,all_gather:island_twoshot,push,0,8,256,lamport
+islands-2x2,4,*,0,32768,all_gather:twoshot,push,0,8,256,ll
+islands-2x2,4,*,32768,262144,all_gather:island_twoshot,push,0,8,256,ll
 islands-2x2,4,*,262144,*,all_gather:island_twoshot,push,0,32,512
 # One switch or root complex.
 *,2,*,0,262144,oneshot,push,0,8,256,lamport
 *,2,*,262144,*,oneshot,push,0,32,512
 *,2,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
 *,2,*,262144,*,reduce_scatter:twoshot,push,0,32,512
-*,2,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
+*,2,*,0,262144,all_gather:twoshot,push,0,8,256,ll
 *,2,*,262144,*,all_gather:twoshot,push,0,32,512
 *,4,*,0,32768,oneshot,push,0,8,256,lamport
 *,4,*,32768,262144,twoshot,push,0,8,256,lamport
@@ -123,8 +127,8 @@ islands-2x2,4,*,262144,*,all_gather:island_twoshot,push,0,32,512
 *,4,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
 *,4,*,262144,524288,reduce_scatter:twoshot,push,0,32,512
 *,4,*,524288,*,reduce_scatter:twoshot,push,1,32,512
-*,4,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
-*,4,*,262144,524288,all_gather:twoshot,push,0,32,512
+*,4,*,0,131072,all_gather:twoshot,push,0,8,256,ll
+*,4,*,131072,524288,all_gather:twoshot,push,0,32,512
 *,4,*,524288,*,all_gather:twoshot,push,1,32,512
 *,*,*,0,16384,oneshot,push,0,8,256,lamport
 *,*,*,16384,262144,twoshot,push,0,8,256,lamport
@@ -134,8 +138,9 @@ islands-2x2,4,*,262144,*,all_gather:island_twoshot,push,0,32,512
 *,*,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
 *,*,*,262144,1048576,reduce_scatter:twoshot,push,0,32,512
 *,*,*,1048576,*,reduce_scatter:twoshot,push,1,32,512
-*,*,*,0,262144,all_gather:twoshot,push,0,8,256,lamport
-*,*,*,262144,1048576,all_gather:twoshot,push,0,32,512
+*,*,*,0,65536,all_gather:twoshot,push,0,8,256,ll
+*,*,*,65536,131072,all_gather:twoshot,push,0,16,256
+*,*,*,131072,1048576,all_gather:twoshot,push,0,32,512
 *,*,*,1048576,*,all_gather:twoshot,push,1,32,512
 )csv";
 
@@ -443,7 +448,7 @@ TableChoice TuningTable::decide(std::string_view topology_key, int world, DType 
   TableChoice own = choose(topology_key, world, dtype, bytes, why_not_runnable, collective);
   if (collective == Collective::kAllReduce || own.line != 0) return own;
   TableChoice all_reduce = choose(topology_key, world, dtype, bytes, why_not_runnable);
-  all_reduce.tactic = two_shot_form(all_reduce.tactic);
+  all_reduce.tactic = two_shot_form(all_reduce.tactic, collective);
   all_reduce.skipped.insert(all_reduce.skipped.begin(), own.skipped.begin(), own.skipped.end());
   return all_reduce;
 }

@@ -104,7 +104,8 @@ class TuningTable {
 
   // What decides a call of `collective`: choose() for it; a reduce-scatter or all-gather that
   // no row of its own decides (line 0) takes the all-reduce's choice for the same message in
-  // its two-shot form (two_shot_form: same direction, staging, protocol and launch shape), or
+  // its two-shot form (two_shot_form: same direction, staging, protocol and launch shape; an
+  // all-gather takes LL for lamport), or
   // the fallback where the all-reduce's is. `skipped` holds the rows skipped on the way, both
   // lookups'. A table may so tune the halves apart from the all-reduce, or not at all.
   TableChoice decide(std::string_view topology_key, int world, DType dtype, int64_t bytes,

@@ -5,7 +5,7 @@
 // addressed as the Communicator addresses them, from `rank` chunks below the tensor, and sit
 // between guard bytes that no launch may touch. The reduce-scatter must give, bit for bit, the
 // design's expression (host_test_util.h: rank order in fp32, rounded once; island partials
-// rounded first); the all-gather every rank's bits.
+// rounded first); the all-gather every rank's bits, -0 included.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -105,6 +105,10 @@ int run_collective_matrix(const GroupCase& g, Collective collective) {
               // Raw bits, NaN payloads and all: an all-gather moves them untouched.
               for (size_t b = 0; b < chunk_bytes; ++b) {
                 piece[r].data()[b] = static_cast<uint8_t>(host_test::mix(seed + r * 7919 + b));
+              }
+              // And -0, which the lamport protocol cannot carry (it is the empty word's half).
+              for (int64_t e : {int64_t{0}, int64_t{3}, chunk - 1}) {
+                host_test::encode(dtype, -0.0f, piece[r].data() + e * elem);
               }
               inputs.push_back(from_chunk_zero(piece[r].data(), r, chunk_bytes));
               outputs.push_back(whole[r].data());

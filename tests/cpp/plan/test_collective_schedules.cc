@@ -99,8 +99,11 @@ TEST_P(EveryCollectiveSchedule, VerifiesBuiltAndFused) {
 INSTANTIATE_TEST_SUITE_P(Plan, EveryCollectiveSchedule, testing::ValuesIn(accepted_cases()),
                          case_name);
 
-TEST(Collectives, AreBuiltForBothTwoShotFamiliesAndEveryProtocol) {
+// An all-gather is not built on lamport: lamport stores -0 as +0, and an all-gather moves every
+// bit (the owner's chunk is its own copy, so its peers' copies would differ from it).
+TEST(Collectives, AreBuiltForBothTwoShotFamiliesAndEveryProtocolAnAllGatherCarriesExactly) {
   for (Collective collective : {Collective::kReduceScatter, Collective::kAllGather}) {
+    const int lamports = collective == Collective::kAllGather ? 0 : 2;
     int flat = 0;
     int island = 0;
     int ll = 0;
@@ -114,12 +117,17 @@ TEST(Collectives, AreBuiltForBothTwoShotFamiliesAndEveryProtocol) {
       pull += t.direction == Direction::kPull;
       EXPECT_TRUE(t.algorithm == Algorithm::kTwoshot || t.algorithm == Algorithm::kIslandTwoshot);
     }
-    EXPECT_EQ(flat, 6) << "push/pull x staged/unstaged flag, and unstaged push LL and lamport";
-    EXPECT_EQ(island, 6);
+    EXPECT_EQ(flat, 5 + lamports / 2)
+        << "push/pull x staged/unstaged flag, and unstaged push LL (and lamport)";
+    EXPECT_EQ(island, 5 + lamports / 2);
     EXPECT_EQ(ll, 2);
-    EXPECT_EQ(lamport, 2);
+    EXPECT_EQ(lamport, lamports);
     EXPECT_EQ(pull, 4);
   }
+  const Tactic lamport{Algorithm::kTwoshot, Direction::kPush, false, Protocol::kLamport};
+  const auto why = why_unsupported(lamport, 8, halves(8), Collective::kAllGather);
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("-0 as +0"), std::string::npos) << *why;
 }
 
 TEST(Collectives, OneShotHasNoHalfThatIsOne) {

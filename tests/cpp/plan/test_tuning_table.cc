@@ -468,13 +468,20 @@ TEST(TuningTableCollectives, DecideTakesTheAllReducesChoiceInTwoShotFormWithoutA
             "oneshot/push/staged/ll/b8/t128");
   EXPECT_TRUE(
       t.decide("flat", 4, DType::kBF16, 1 << 20, no_islands, Collective::kAllGather).fallback);
-  // island_oneshot's two-shot form is island_twoshot.
+  // island_oneshot's two-shot form is island_twoshot; an all-gather takes lamport's LL twin
+  // (lamport stores -0 as +0, and an all-gather moves every bit).
   const TableChoice island =
-      t.decide("flat", 4, DType::kFP16, 6144, nullptr, Collective::kAllGather);
+      t.decide("flat", 4, DType::kFP16, 6144, nullptr, Collective::kReduceScatter);
   EXPECT_EQ(tactic_label(island.tactic), "island_twoshot/pull/unstaged/lamport/b2/t64");
+  const TableChoice gathered =
+      t.decide("flat", 4, DType::kFP16, 6144, nullptr, Collective::kAllGather);
+  EXPECT_EQ(tactic_label(gathered.tactic), "island_twoshot/pull/unstaged/ll/b2/t64");
   Tactic twoshot;
   twoshot.algorithm = Algorithm::kTwoshot;
-  EXPECT_EQ(two_shot_form(twoshot), twoshot);
+  EXPECT_EQ(two_shot_form(twoshot, Collective::kReduceScatter), twoshot);
+  twoshot.protocol = Protocol::kLamport;
+  EXPECT_EQ(two_shot_form(twoshot, Collective::kAllGather).protocol, Protocol::kLL);
+  EXPECT_EQ(two_shot_form(twoshot, Collective::kReduceScatter).protocol, Protocol::kLamport);
 }
 
 // The seed decides every collective everywhere it decides the all-reduce: NVLink stays on the
