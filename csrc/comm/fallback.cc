@@ -45,8 +45,12 @@ at::Tensor mean_of_squares_in_order(const at::Tensor& rf) {
   return part.div(at::full_like(part, static_cast<double>(hidden)));
 }
 
-// The group's work, awaited in slices (Work::wait(timeout) throws when a slice passes without
-// completion; a completed work's own failure is rethrown).
+}  // namespace
+
+// Work::wait(timeout) throws when a slice passes without completion, and rethrows a completed
+// work's own failure. The work can complete between a slice's end and the catch: it is then asked
+// again without a timeout, which returns at once, or rethrows the collective's own failure (a
+// slice's "Operation timed out!" must never stand for a collective that succeeded).
 GroupWait await_bounded(c10d::Work& work, const Group& group) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -55,7 +59,10 @@ GroupWait await_bounded(c10d::Work& work, const Group& group) {
       work.wait(std::chrono::milliseconds(20));
       return GroupWait::kDone;
     } catch (const c10::Error&) {
-      if (work.isCompleted()) throw;  // the collective failed: its own error
+      if (work.isCompleted()) {
+        work.wait();
+        return GroupWait::kDone;
+      }
     }
     if (group.interrupted != nullptr && *group.interrupted && (*group.interrupted)()) {
       return GroupWait::kInterrupted;
@@ -64,6 +71,8 @@ GroupWait await_bounded(c10d::Work& work, const Group& group) {
     if (group.timeout_s > 0 && waited.count() >= group.timeout_s) return GroupWait::kTimedOut;
   }
 }
+
+namespace {
 
 // CPU tensors: the group's own work (gloo), awaited at most the timeout.
 GroupWait run_host_collective(Op op, const Group& group, const at::Tensor& inp,

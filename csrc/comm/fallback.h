@@ -11,6 +11,10 @@
 
 #include "comm/op.h"
 
+namespace c10d {
+class Work;
+}  // namespace c10d
+
 namespace pcie_ar::comm {
 
 // The group a communicator falls back to, and how long its own collective may take.
@@ -33,6 +37,11 @@ enum class GroupWait { kDone, kTimedOut, kInterrupted };
 // raises.
 GroupWait run_group_collective(Op op, const Group& group, const at::Tensor& inp,
                                const at::Tensor& out);
+
+// How run_group_collective awaits a CPU group's work: slices of 20 ms, at most group.timeout_s,
+// asking group.interrupted between them. kDone once the work has completed (its own failure is
+// rethrown).
+GroupWait await_bounded(c10d::Work& work, const Group& group);
 
 // residual_out = sum + residual, out = rms_norm(residual_out) * weight, each row of
 // sum.size(-1) elements, every fp32 step one IEEE operation in plan/epilogue.h's order: given the
