@@ -240,6 +240,13 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
     throw std::invalid_argument(std::string(op_name(op)) +
                                 " needs residual, weight and residual_out tensors");
   }
+  if (on_decline == OnDecline::kReturn && at::GradMode::is_enabled() &&
+      tracked_read(op, args) != nullptr) {
+    const at::NoGradGuard untracked;  // every other argument error still raises;
+                                      // nothing is allocated for the decline
+    check(op, args);
+    return Decline::kAutograd;
+  }
   if (!args.out.defined()) {  // the all-reduce's is shaped like its input: no sizes to build
     if (op.collective == plan::Collective::kAllReduce) {
       args.out = at::empty(args.inp.sizes(), args.inp.options());
@@ -251,12 +258,6 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
   }
   if (has_epilogue(op) && !args.residual_out->defined()) {
     *args.residual_out = at::empty(args.residual->sizes(), args.residual->options());
-  }
-  if (on_decline == OnDecline::kReturn && at::GradMode::is_enabled() &&
-      tracked_read(op, args) != nullptr) {
-    const at::NoGradGuard untracked;  // every other argument error still raises
-    check(op, args);
-    return Decline::kAutograd;
   }
   check(op, args);
   return execute(op, args, on_decline);

@@ -41,12 +41,6 @@ QUOTED = [(ROOT / "README.md", "On a fresh machine"), (ROOT / "docs/benchmarks.m
 EXTERNAL = {"cd", "cmake", "ctest", "pip", "git", "nvidia-smi", "export", "ls", "cat"}
 
 
-def _comment_text(path: Path) -> str:
-    """The comments, docstrings and strings of a source file: its whole text (code that says
-    "issue" with a number is as visible to its reader as a comment)."""
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
 def _sources() -> Iterator[Path]:
     for top in CODE_DIRS:
         for path in sorted((ROOT / top).rglob("*")):
@@ -62,7 +56,9 @@ def _hits(pattern: re.Pattern[str], paths: list[Path]) -> list[str]:
     for path in paths:
         if not path.exists():
             continue
-        for n, line in enumerate(_comment_text(path).splitlines(), 1):
+        # The whole text: code that names a ticket is as visible to its reader as a comment.
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
             if pattern.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     return hits
