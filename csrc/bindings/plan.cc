@@ -43,6 +43,7 @@ py::dict step_dict(const plan::Step& s) {
     py::list srcs;
     for (int i = 0; i < s.num_srcs; ++i) srcs.append(buf(s.srcs[i]));
     out["srcs"] = srcs;
+    out["split"] = s.split;  // 0: one sum; s: srcs[:s] and srcs[s:] rounded, then summed
   } else {
     out["peer"] = s.peer;
     out["flag_owner"] = s.flag_owner;

@@ -102,6 +102,16 @@ void check_reduce(const std::string& at, const Step& step, const Program& progra
     throw std::invalid_argument(at + str(step.num_srcs) + " operands; expected 1.." +
                                 str(kMaxSources));
   }
+  // 0 (one sum), or the two equal halves of the group's tree: the only split the builders emit
+  // and the only one the CUDA executor compiles (its split is a template parameter).
+  if (step.split != 0 && 2 * step.split != step.num_srcs) {
+    throw std::invalid_argument(at + "split at operand " + str(step.split) + " of " +
+                                str(step.num_srcs) + "; expected 0 (one sum) or " +
+                                str(step.num_srcs / 2) + " (two equal halves)");
+  }
+  if (step.reserved[0] != 0 || step.reserved[1] != 0 || step.reserved[2] != 0) {
+    throw std::invalid_argument(at + "reserved bytes are not zero");
+  }
   check_ref(at, step.dst, true);
   for (int i = 0; i < step.num_srcs; ++i) check_ref(at, step.srcs[i], false);
   if (step.num_dsts == 2) {

@@ -23,7 +23,8 @@ struct ProgramFacts {
 // std::invalid_argument naming the rank, the step and the bad field, and what was expected:
 //   - the layout is one make_layout() produces; the program is for `rank` of layout.world;
 //   - 0..kMaxSteps steps (none: plan::skip_program()), at least one chunk, a known direction;
-//   - kReduce: chunk < num_chunks, 1..kMaxSources operands, the destination is not the input,
+//   - kReduce: chunk < num_chunks, 1..kMaxSources operands, a split of 0 or num_srcs / 2 (two
+//     equal halves, num_srcs even), zero reserved bytes, the destination is not the input,
 //     inputs/outputs are `rank`'s own, slots lie inside the layout; an LL operand is `rank`'s
 //     own LL slot (readers poll only their own memory), an LL destination names `rank` as its
 //     writer;

@@ -67,14 +67,35 @@ class Builder {
   bool push() const { return s_.direction == Direction::kPush; }
   bool ll() const { return flag_in_data(s_.protocol); }
 
-  void reduce(int rank, int chunk, BufRef dst, const std::vector<BufRef>& srcs) {
+  void reduce(int rank, int chunk, BufRef dst, const std::vector<BufRef>& srcs, int split = 0) {
     Step step;
     step.kind = StepKind::kReduce;
     step.chunk = static_cast<uint8_t>(chunk);
     step.num_srcs = static_cast<uint8_t>(srcs.size());
+    step.split = static_cast<uint8_t>(split);
     step.dst = dst;
     std::copy(srcs.begin(), srcs.end(), step.srcs);
     emit(rank, step);
+  }
+
+  // Rank r sums `members`' operands (`own` for r, `other(q)` for a peer) as the group's canonical
+  // tree orders them: by canonical group, ascending inside each, split between the groups when
+  // `members` spans both (a flat tactic on an islanded group), one plain sum when it lies inside
+  // one (an island's partial).
+  template <typename Other>
+  void reduce_members(int r, int chunk, BufRef dst, const std::vector<int>& members, BufRef own,
+                      Other other) {
+    std::vector<BufRef> srcs;
+    int split = 0;
+    for (const std::vector<int>& group : canonical_groups(s_.world, s_.island_of)) {
+      const size_t before = srcs.size();
+      for (int q : group) {
+        if (std::find(members.begin(), members.end(), q) != members.end())
+          srcs.push_back(q == r ? own : other(q));
+      }
+      if (before > 0 && srcs.size() > before) split = static_cast<int>(before);
+    }
+    reduce(r, chunk, dst, srcs, split);
   }
   void copy(int rank, int chunk, BufRef dst, BufRef src) { reduce(rank, chunk, dst, {src}); }
 
@@ -189,14 +210,6 @@ class Builder {
   int stage_ = 0;
 };
 
-// Operands of a sum over `members` in ascending rank order: `own` for r, `other(q)` for peers.
-template <typename Other>
-std::vector<BufRef> in_rank_order(int r, const std::vector<int>& members, BufRef own, Other other) {
-  std::vector<BufRef> srcs;
-  for (int q : members) srcs.push_back(q == r ? own : other(q));
-  return srcs;
-}
-
 std::vector<int> all_ranks(int world) {
   std::vector<int> ranks(world);
   for (int r = 0; r < world; ++r) ranks[r] = r;
@@ -274,9 +287,8 @@ Builder::Phase deliver_inputs(Builder& b, const std::vector<Group>& group_of,
 void reduce_inputs(Builder& b, const std::vector<Group>& group_of, const Builder::Phase& in,
                    const std::function<int(int)>& chunk_of, const std::function<BufRef(int)>& dst) {
   for (int r = 0; r < b.world(); ++r) {
-    b.reduce(r, chunk_of(r), dst(r), in_rank_order(r, group_of[r].members, input_of(r), [&](int q) {
-               return b.received(in, r, q);
-             }));
+    b.reduce_members(r, chunk_of(r), dst(r), group_of[r].members, input_of(r),
+                     [&](int q) { return b.received(in, r, q); });
   }
 }
 
@@ -309,15 +321,16 @@ void gather_results(Builder& b, const std::vector<Group>& group_of,
   b.exchange(group_of, ag);
 }
 
-// A reduced chunk lands in the output; pull ranks also publish it for `group` to read.
-void keep_reduced(Builder& b, int r, int chunk, const std::vector<BufRef>& srcs,
+// A reduced chunk (`sum(dst)` emits its reduce into dst) lands in the output; pull ranks also
+// publish it for `group` to read.
+void keep_reduced(Builder& b, int r, int chunk, const std::function<void(BufRef)>& sum,
                   const Group& group) {
   if (b.push()) {
-    b.reduce(r, chunk, output_of(r), srcs);
+    sum(output_of(r));
     return;
   }
   const BufRef gather = slot_of(r, slot_gather(b.world()));
-  b.reduce(r, chunk, gather, srcs);
+  sum(gather);
   b.publish(r, group, kPhaseGather);
   b.copy(r, chunk, output_of(r), gather);
 }
@@ -328,7 +341,7 @@ void publish_partials(Builder& b, const Islands& isl) {
   for (int r = 0; r < b.world(); ++r) b.signal(r, isl.partner[r], kPhasePartial);
 }
 
-// Every rank receives every input and sums the whole message in rank order.
+// Every rank receives every input and sums the whole message in the group's canonical order.
 Schedule build_oneshot(Builder b) {
   const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
   const auto in = deliver_inputs(b, everyone, [](int, int) { return 0; });
@@ -342,10 +355,11 @@ Schedule build_twoshot(Builder b) {
   const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
   const auto in = deliver_inputs(b, everyone, [](int, int owner) { return owner; });
   for (int r = 0; r < b.world(); ++r) {
-    keep_reduced(b, r, r,
-                 in_rank_order(r, everyone[r].members, input_of(r),
-                               [&](int q) { return b.received(in, r, q); }),
-                 everyone[r]);
+    const auto sum = [&](BufRef dst) {
+      b.reduce_members(r, r, dst, everyone[r].members, input_of(r),
+                       [&](int q) { return b.received(in, r, q); });
+    };
+    keep_reduced(b, r, r, sum, everyone[r]);
   }
   b.next_stage();
   gather_results(b, everyone, [](int owner) { return owner; });
@@ -382,10 +396,12 @@ Schedule build_island_twoshot(Builder b, const std::vector<int>& island_of) {
   b.next_stage();
   const auto cross = swap_partials(b, isl, chunk_of);
   for (int r = 0; r < b.world(); ++r) {
-    keep_reduced(
-        b, r, index[r],
-        island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])),
-        isl.group_of[r]);
+    const auto sum = [&](BufRef dst) {
+      b.reduce(
+          r, index[r], dst,
+          island_order(r, island_of, slot_of(r, partial), b.received(cross, r, isl.partner[r])));
+    };
+    keep_reduced(b, r, index[r], sum, isl.group_of[r]);
   }
   b.next_stage();
   gather_results(b, isl.group_of, chunk_of);
@@ -393,14 +409,14 @@ Schedule build_island_twoshot(Builder b, const std::vector<int>& island_of) {
 }
 
 // Reduce-scatter: two-shot's first half. Every rank delivers chunk c of its input to rank c,
-// and rank c sums chunk c in rank order into its output (the chunk its tensor holds).
+// and rank c sums chunk c in the group's canonical order into its output (the chunk its tensor
+// holds).
 Schedule build_reduce_scatter(Builder b) {
   const std::vector<Group> everyone(b.world(), Group{all_ranks(b.world())});
   const auto in = deliver_inputs(b, everyone, [](int, int owner) { return owner; });
   for (int r = 0; r < b.world(); ++r) {
-    b.reduce(r, r, output_of(r), in_rank_order(r, everyone[r].members, input_of(r), [&](int q) {
-               return b.received(in, r, q);
-             }));
+    b.reduce_members(r, r, output_of(r), everyone[r].members, input_of(r),
+                     [&](int q) { return b.received(in, r, q); });
   }
   return b.finish();
 }
@@ -449,9 +465,8 @@ Schedule build_island_reduce_scatter(Builder b, const std::vector<int>& island_o
   const auto& partner = isl.partner;
   const auto sum_island = [&](const Builder::Phase& in, int chunk_of_r(int, const Islands&)) {
     for (int r = 0; r < b.world(); ++r) {
-      b.reduce(r, chunk_of_r(r, isl), slot_of(r, partial),
-               in_rank_order(r, isl.group_of[r].members, input_of(r),
-                             [&](int q) { return b.received(in, r, q); }));
+      b.reduce_members(r, chunk_of_r(r, isl), slot_of(r, partial), isl.group_of[r].members,
+                       input_of(r), [&](int q) { return b.received(in, r, q); });
     }
   };
   const auto partners_chunk = [](int r, const Islands& i) { return i.partner[r]; };
@@ -574,6 +589,13 @@ std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
            " protocol is unstaged: every peer's data is read where it lands, as it lands";
   }
   return std::nullopt;
+}
+
+std::vector<std::vector<int>> canonical_groups(int world, const std::vector<int>& island_of) {
+  if (why_unsupported(Algorithm::kIslandOneshot, world, island_of)) return {all_ranks(world)};
+  std::vector<std::vector<int>> groups(2);
+  for (int r = 0; r < world; ++r) groups[island_of[r] == island_of[0] ? 0 : 1].push_back(r);
+  return groups;
 }
 
 std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of,
@@ -776,7 +798,7 @@ std::string describe_step(const Step& step) {
       if (step.num_dsts == 2)
         text += describe_buf(step.dst2) + "[" + std::to_string(step.chunk) + "] = ";
       for (int i = 0; i < step.num_srcs; ++i) {
-        if (i) text += " + ";
+        if (i) text += step.split != 0 && i == step.split ? " | " : " + ";
         text += describe_buf(step.srcs[i]);
       }
       return text;

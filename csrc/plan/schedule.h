@@ -56,6 +56,15 @@ std::optional<std::string> why_unsupported(const Tactic& tactic, int world,
                                            const std::vector<int>& island_of,
                                            Collective collective = Collective::kAllReduce);
 
+// The group's one reduction order: every tactic and collective of a group computes each output
+// element as this tree, so a table may mix them freely without changing a bit. Where the island
+// algorithms build (two equal islands of >= 2 ranks), two groups — the island holding rank 0, then
+// the other, each in ascending rank order — whose sums are rounded to the dtype before they are
+// added (what an island tactic stores and sends across the socket link); elsewhere one group, every
+// rank in ascending order. Flat tactics on an islanded group make the same two roundings in
+// registers (Step::split); they send no more bytes for it.
+std::vector<std::vector<int>> canonical_groups(int world, const std::vector<int>& island_of);
+
 // Every (algorithm, direction, staging, protocol) the builders accept for this world and
 // island map, in a fixed order; blocks and threads keep their defaults.
 std::vector<Tactic> buildable_tactics(int world, const std::vector<int>& island_of,

@@ -34,8 +34,7 @@ struct BufRef {
 };
 
 enum class StepKind : uint8_t {
-  kReduce = 0,  // dst[chunk] (and dst2[chunk]) = round(sum of srcs[chunk] in order, accumulated
-                // in fp32); LL
+  kReduce = 0,  // dst[chunk] (and dst2[chunk]) = the sum of srcs[chunk] (see Step::split); LL
                 // sources are awaited per vector, an LL destination is written tagged
   kSignal = 1,  // release-store this generation into flag `flag` of rank `flag_owner`
   kWait = 2,    // acquire-wait until flag `flag` of rank `flag_owner` reaches this generation
@@ -62,6 +61,14 @@ struct Step {
   uint8_t flag = 0;        // kSignal/kWait: flag index in the owner's per-block flag array
   uint8_t num_dsts = 1;    // kReduce: 1, or 2 when dst2 receives the same result (a fused
                            // forwarding copy, see fuse_forwarding_copies()); never LL
+  // kReduce: how the sum is associated. Every sum of two or more operands is formed in fp32 in
+  // operand order from +0 (((+0 + a0) + a1) + ...), so no sum is ever -0, and rounded once to the
+  // dtype; one operand is a copy and moves bits. split = 0: one such sum of all srcs. split = s
+  // (1 <= s < num_srcs): the sum of two rounded sums, srcs[0, s) and srcs[s, num_srcs) — the
+  // group's canonical tree (plan::canonical_groups) computed by a tactic that does not store
+  // the island partials, in registers, with the same roundings as one that does.
+  uint8_t split = 0;
+  uint8_t reserved[3] = {};  // zero; keeps Step a whole number of 32-bit words
   BufRef dst;
   BufRef srcs[kMaxSources];
   BufRef dst2;  // kReduce with num_dsts == 2: the second destination, same chunk

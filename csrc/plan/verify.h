@@ -1,8 +1,8 @@
 // The verifier: proves, symbolically, that a schedule is a correct all-reduce. It simulates
 // every rank's program with vector clocks and flags, and rejects a schedule unless
-//  - every output element is every rank's input summed exactly once, by the same expression
-//    (the same operands, the same order, the same rounding points) on every rank, with the
-//    operands of every sum in ascending rank order;
+//  - every output element is every rank's input summed exactly once, by the group's one
+//    expression (canonical_groups: the same operands, order and rounding points on every rank
+//    and in every tactic and collective of the group, so a table may mix tactics freely);
 //  - every read of a buffer happens after the write it needs and no write races a read or
 //    another write (happens-before through flags only);
 //  - no rank deadlocks, every flag has a single writer, and every rank's end depends on every
@@ -17,7 +17,7 @@
 //  - a fused schedule (Schedule::epilogue) ends every rank's program with exactly one epilogue
 //    step, and each rank's output holds the whole sum, every chunk, before it runs.
 //  - a reduce-scatter (Schedule::collective) writes only chunk r of rank r's output, and that
-//    chunk is every input summed exactly once in rank order; an all-gather reads only chunk r of
+//    chunk is the group's sum; an all-gather reads only chunk r of
 //    rank r's input, and every output chunk c is rank c's input, copied (bit-exact). No
 //    schedule writes an input.
 //    The message is the whole tensor of `world` chunks in both (the all-gather's output, the
@@ -71,5 +71,29 @@ struct Verification {
 };
 
 Verification verify(const Schedule& schedule, const VerifyOptions& options = {});
+
+// A streamed message: one larger than the workspace runs as a sequence of rounds, each one
+// ordinary call of a schedule (one generation, one launch of the executor) on its own part of the
+// input and output; a round may take another tactic than the last (the last, shorter round
+// often does). verify_rounds() proves the rounds back to back, as one message: each rank runs
+// round 0's program, then round 1's, ..., as far ahead of its peers as its waits let it.
+//  - Slots, LL slots and flags are the round's parity's (rounds k and k + 2 share them), the
+//    input and output the round's own; every round's inputs are distinct leaves, so data another
+//    round left in a slot is a wrong expression, and each round's outputs must be that round's
+//    group sum. Every check of verify() holds in every round (the epilogue once per round, and
+//    every rank's end of round k hears of every other rank's start of round k).
+//  - A flag holds the generation of its last raise and a wait compares with >=: a round-k wait
+//    takes a raise of round k or later. A raise of round k + 2 must follow every round-k wait for
+//    the round-k raise, heard of the same way; otherwise that wait could take it.
+//  - Two accesses of one slot from different rounds, one of them a write, must be ordered
+//    slot-wide (another round's chunks and CTA slices may lie anywhere in the slot), the earlier
+//    round's first: the later rank must have heard of the earlier one's next round (its kernel
+//    of the earlier round had completed). So LL data of round k must be read, and the read heard
+//    of so, before round k + 2 writes that LL slot.
+// Errors name the round ("round 2: rank 1 step 4 (...)"). The rounds must be of one group: the
+// same world, island map, collective and epilogue; anything else is refused. The counts
+// (stages, steps, traffic, cost) are the worst round's, field by field: each round is one call.
+// verify_rounds({s}) is verify(s).
+Verification verify_rounds(const std::vector<Schedule>& rounds, const VerifyOptions& options = {});
 
 }  // namespace pcie_ar::plan

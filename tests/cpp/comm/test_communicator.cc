@@ -73,15 +73,21 @@ void expect_halves_of_the_all_reduce(int rank, int world, const Tensors& t, cons
   EXPECT_TRUE(at::equal(r.residual_out, r.sum + t.residual)) << "rank " << rank;
 }
 
-TEST(CommunicatorOps, EveryOpIsTheAllReducesSumInRankOrder) {
+TEST(CommunicatorOps, EveryOpIsTheAllReducesSumAsTheGroupsTree) {
   for (const auto& [world, islands] :
        std::vector<std::pair<int, std::vector<int>>>{{3, {}}, {4, {0, 0, 1, 1}}}) {
     CommGroup group(world, kTableA, world * kRows * kHidden, islands);
     group.each([&](int rank, Communicator& c) {
       const Tensors t(rank, world);
       const Results r = run_every_op(c, t);
-      at::Tensor exact = at::zeros_like(t.x);  // oneshot: fp32, rank order, rounded once
-      for (int q = 0; q < world; ++q) exact = exact + Tensors(q, world).x;
+      // oneshot: the group's tree in fp32 (islands: each island's sum, then the two).
+      at::Tensor exact = at::zeros_like(t.x);
+      if (islands.empty()) {
+        for (int q = 0; q < world; ++q) exact = exact + Tensors(q, world).x;
+      } else {
+        exact = (exact + Tensors(0, world).x + Tensors(1, world).x) +
+                (at::zeros_like(t.x) + Tensors(2, world).x + Tensors(3, world).x);
+      }
       EXPECT_TRUE(at::equal(r.sum, exact)) << "rank " << rank << " world " << world;
       expect_halves_of_the_all_reduce(rank, world, t, r);
     });

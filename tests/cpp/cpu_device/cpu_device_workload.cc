@@ -139,4 +139,36 @@ std::string run_workload(const Workload& w, int64_t max_numel, Placement placeme
   return failures;
 }
 
+namespace {
+
+float rounded_sum(DType dtype, const float* x, int n) {
+  float acc = 0.0f;
+  for (int i = 0; i < n; ++i) acc += x[i];
+  return static_cast<float>(host_test::round_to(dtype, acc));
+}
+
+}  // namespace
+
+float split_sum(DType dtype, const std::vector<float>& x, int split) {
+  const int n = static_cast<int>(x.size());
+  if (split == 0) return rounded_sum(dtype, x.data(), n);
+  const float partials[2] = {rounded_sum(dtype, x.data(), split),
+                             rounded_sum(dtype, x.data() + split, n - split)};
+  return rounded_sum(dtype, partials, 2);
+}
+
+float canonical_sum(DType dtype, const std::vector<float>& by_rank,
+                    const std::vector<int>& island_of) {
+  std::vector<float> first;
+  std::vector<float> second;
+  for (int r = 0; r < static_cast<int>(by_rank.size()); ++r) {
+    const bool with_rank0 = island_of.empty() || island_of[r] == island_of[0];
+    (with_rank0 ? first : second).push_back(by_rank[r]);
+  }
+  if (first.size() != second.size() || first.size() < 2) return split_sum(dtype, by_rank, 0);
+  const int split = static_cast<int>(first.size());
+  first.insert(first.end(), second.begin(), second.end());
+  return split_sum(dtype, first, split);
+}
+
 }  // namespace pcie_ar::transport::cpu_device_test

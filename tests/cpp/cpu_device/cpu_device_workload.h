@@ -48,4 +48,20 @@ plan::Tactic launch_tactic(const host_test::Workload& w, const host_test::CallCa
 std::string run_workload(const host_test::Workload& w, int64_t max_numel, Placement placement,
                          const cpu_device::DeviceOptions& options, uint64_t initial_gen = 0);
 
+// ---------------------------------------------------------------- the reduction's oracle
+// Scalar, from the rule alone (plan::Step::split), sharing no code with the executors: every sum of
+// two or more operands runs in fp32 in operand order from +0, ((+0 + x0) + x1) + ..., and is
+// rounded once to the dtype (host_test::round_to); the values are the dtype's (exact).
+
+// A reduce of x.size() >= 2 operands split at `split` (0: one sum): round((+0 + round(sum of
+// x[0, split))) + round(sum of x[split, n))).
+float split_sum(plan::DType dtype, const std::vector<float>& x, int split);
+
+// What every rank of the group holds for one element, from each rank's value: the canonical tree
+// (plan::canonical_groups). Where two equal islands of two or more ranks exist, the island holding
+// rank 0 first, each in ascending rank order, split between them; elsewhere one sum of every rank
+// in ascending order.
+float canonical_sum(plan::DType dtype, const std::vector<float>& by_rank,
+                    const std::vector<int>& island_of);
+
 }  // namespace pcie_ar::transport::cpu_device_test

@@ -35,7 +35,8 @@ CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
 SUITES = (
     "Loopback/CpuDeviceExecutor.*",
     "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*:"
-    "CpuDeviceSignedZeros.*:Fused/CpuDeviceEpilogue.*:CpuDeviceEpilogueOrder.*",
+    "CpuDeviceSignedZeros.*:CpuDeviceSplitSums.*:Fused/CpuDeviceEpilogue.*:"
+    "CpuDeviceEpilogueOrder.*",
 )
 LIMIT_S = 900
 
@@ -170,6 +171,22 @@ MUTANTS = [
         "      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];\n",
         "      for (int e = 0; e < kElems; ++e) partials[e * kPositions + j] = acc[e];\n",
         "the partials enter the tree in another order: a row's norm depends on the layout",
+    ),
+    Mutant(
+        "split_ignored",
+        EXECUTOR,
+        "uint32_t split_of(const plan::Step& step) { return step.split; }\n",
+        "uint32_t split_of(const plan::Step& step) {\n  (void)step;\n  return 0;\n}\n",
+        "a split step is summed as one sum: a flat tactic on two islands rounds once where the "
+        "island tactics round the partials first, and the group's tactics disagree in the last bit",
+    ),
+    Mutant(
+        "no_positive_zero_start",
+        EXECUTOR,
+        "inline constexpr float kSumStart = 0.0f;\n",
+        "inline constexpr float kSumStart = -0.0f;\n",
+        "sums start at their first operand (-0 + x is x): zeros that are all -0 sum to -0 in flag "
+        "and LL but to +0 in lamport, whose writers store -0 as +0",
     ),
     Mutant(
         "wrong_parity",

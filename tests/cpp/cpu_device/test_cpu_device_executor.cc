@@ -214,11 +214,12 @@ TEST(CpuDeviceCrossCheck, TheHostExecutorWritesTheSameBytes) {
 
 // Zeros of both signs in every position a word can hold them, every tactic: -0 on every rank
 // (fp32's -0 and a 16-bit pair {+0, -0} are the bits of kLLEmpty, the word a lamport reader
-// waits to see replaced), zeros of mixed signs, and -0 beside one non-zero value. IEEE sums
-// them exactly (x + -0 = x; +0 + -0 = +0); the one difference lamport makes is documented in
-// plan/protocol.h: where every operand is -0 it returns +0 (its writers store -0 as +0). Two
-// calls, so both parities' slots see the pattern. A writer that stored the empty word would
-// leave its reader waiting: the short timeout turns that into a failed launch.
+// waits to see replaced), zeros of mixed signs, and -0 beside one non-zero value. Every sum
+// starts from +0 (plan::Step::split), so a sum of zeros is +0 whatever their signs, and the same
+// in every protocol (a lamport writer stores -0 as +0: plan/protocol.h); the expected value is
+// the group's canonical tree (canonical_sum), whichever tactic computes it. Two calls, so both
+// parities' slots see the pattern. A writer that stored the empty word would leave its reader
+// waiting: the short timeout turns that into a failed launch.
 TEST(CpuDeviceSignedZeros, ZerosOfBothSignsSumAsIeeeSaysInEveryProtocol) {
   constexpr int world = 4;
   constexpr int64_t kNumel = 256;
@@ -272,9 +273,9 @@ TEST(CpuDeviceSignedZeros, ZerosOfBothSignsSumAsIeeeSaysInEveryProtocol) {
               << what;
           for (int r = 0; r < world; ++r) {
             for (int64_t e = 0; e < kNumel; ++e) {
-              float want = 0.0f;
-              for (int q = 0; q < world; ++q) want = q == 0 ? value(e, q) : want + value(e, q);
-              if (built.protocol == plan::Protocol::kLamport && want == 0.0f) want = 0.0f;
+              std::vector<float> by_rank(world);
+              for (int q = 0; q < world; ++q) by_rank[q] = value(e, q);
+              const float want = cpu_device_test::canonical_sum(dtype, by_rank, island_of);
               std::vector<uint8_t> bits(elem);
               host_test::encode(dtype, want, bits.data());
               ASSERT_EQ(std::memcmp(&out[r][e * elem], bits.data(), elem), 0)

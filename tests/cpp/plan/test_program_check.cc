@@ -179,6 +179,23 @@ TEST_F(ProgramCheckRejects, OperandCountsTheKernelDoesNotUnroll) {
   expect_rejects(program_, layout_, 1, "9 operands; expected 1..8");
 }
 
+TEST_F(ProgramCheckRejects, ASplitOutsideTheOperandsAndNonZeroReservedBytes) {
+  Step& step = first(StepKind::kReduce);
+  step.split = step.num_srcs;
+  expect_rejects(program_, layout_, 1,
+                 "split at operand " + std::to_string(step.num_srcs) + " of " +
+                     std::to_string(step.num_srcs) + "; expected 0 (one sum) or");
+  step.num_srcs = 4;
+  step.srcs[1] = step.srcs[2] = step.srcs[3] = step.srcs[0];
+  step.split = 1;
+  expect_rejects(program_, layout_, 1, "split at operand 1 of 4; expected 0 (one sum) or 2");
+  step.split = 2;
+  EXPECT_NO_THROW(check_program(program_, layout_, 1));
+  step.split = 0;
+  step.reserved[1] = 7;
+  expect_rejects(program_, layout_, 1, "reserved bytes are not zero");
+}
+
 TEST_F(ProgramCheckRejects, ChunksOutsideTheProgram) {
   first(StepKind::kReduce).chunk = 4;
   expect_rejects(program_, layout_, 1, "chunk 4 of 4");

@@ -16,6 +16,7 @@
 #include "plan/program_check.h"
 #include "plan/schedule.h"
 #include "plan/verify.h"
+#include "replay.h"
 
 namespace pcie_ar::plan {
 namespace {
@@ -84,137 +85,6 @@ std::vector<Case> accepted_cases() {
   }
   return cases;
 }
-
-// Replays the encoded programs of all ranks with real numbers, single-threaded, honouring
-// flags, block by block: what a transport does, minus concurrency.
-class Replay {
- public:
-  Replay(const Schedule& s, int64_t numel, int blocks, bool in_place)
-      : s_(s), numel_(numel), blocks_(blocks), in_place_(in_place) {
-    for (int r = 0; r < s.world; ++r) programs_.push_back(encode_program(s, r));
-    std::mt19937 rng(1234 + s.world);
-    std::uniform_int_distribution<int> dist(-64, 64);
-    inputs_.assign(s.world, std::vector<float>(numel));
-    for (auto& in : inputs_) {
-      for (auto& x : in) x = static_cast<float>(dist(rng));
-    }
-    outputs_ = in_place
-                   ? inputs_
-                   : std::vector<std::vector<float>>(s.world, std::vector<float>(numel, -999.f));
-    slots_.assign(s.world, std::vector<std::vector<float>>(num_slots_for(s.world),
-                                                           std::vector<float>(numel, -777.f)));
-    ll_slots_ = slots_;
-  }
-
-  // Returns false on deadlock.
-  bool run() {
-    for (int b = 0; b < blocks_; ++b) {
-      flags_.clear();
-      EXPECT_TRUE(ll_landed_.empty()) << "LL data left unread";
-      std::vector<int> pc(s_.world, 0);
-      bool done = false;
-      while (!done) {
-        done = true;
-        bool progress = false;
-        for (int r = 0; r < s_.world; ++r) {
-          const Program& p = programs_[r];
-          while (pc[r] < p.num_steps) {
-            const Step& step = p.steps[pc[r]];
-            if (step.kind == StepKind::kWait && !flags_.count({step.flag_owner, step.flag})) break;
-            if (!ll_ready(step)) break;
-            execute(r, b, step);
-            ++pc[r];
-            progress = true;
-          }
-          if (pc[r] < p.num_steps) done = false;
-        }
-        if (!done && !progress) return false;
-      }
-    }
-    return true;
-  }
-
-  float expected(int64_t i) const {
-    float sum = 0;
-    for (int r = 0; r < s_.world; ++r) sum += original_inputs_.empty() ? 0 : original_inputs_[r][i];
-    return sum;
-  }
-
-  void keep_inputs() { original_inputs_ = inputs_; }
-  const std::vector<float>& output(int r) const { return in_place_ ? inputs_[r] : outputs_[r]; }
-
- private:
-  // A reduce whose LL operands have all landed (and not yet been consumed).
-  bool ll_ready(const Step& step) const {
-    if (step.kind != StepKind::kReduce) return true;
-    for (int i = 0; i < step.num_srcs; ++i) {
-      const BufRef& src = step.srcs[i];
-      if (src.space == Space::kLL && !ll_landed_.count({src.owner, src.slot, step.chunk})) {
-        return false;
-      }
-    }
-    return true;
-  }
-
-  float* resolve(int r, const BufRef& buf) {
-    switch (buf.space) {
-      case Space::kInput:
-        EXPECT_EQ(buf.owner, r);
-        return inputs_[r].data();
-      case Space::kOutput:
-        EXPECT_EQ(buf.owner, r);
-        return in_place_ ? inputs_[r].data() : outputs_[r].data();
-      case Space::kSlot:
-        return slots_[buf.owner][buf.slot].data();
-      case Space::kLL:
-        return ll_slots_[buf.owner][buf.slot].data();
-    }
-    return nullptr;
-  }
-
-  void execute(int r, int block, const Step& step) {
-    if (step.kind == StepKind::kSignal) {
-      flags_[{step.flag_owner, step.flag}] = r;
-      return;
-    }
-    if (step.kind == StepKind::kWait) {
-      EXPECT_EQ(flags_.at({step.flag_owner, step.flag}), step.peer);
-      return;
-    }
-    // 4 fp32 elements per 16-byte vector.
-    const VecRange v = slice_range(numel_ / 4, programs_[r].num_chunks, step.chunk, blocks_, block);
-    float* dst = resolve(r, step.dst);
-    float* dst2 = step.num_dsts == 2 ? resolve(r, step.dst2) : nullptr;
-    for (int64_t i = v.begin * 4; i < v.end * 4; ++i) {
-      float acc = resolve(r, step.srcs[0])[i];
-      for (int k = 1; k < step.num_srcs; ++k) acc += resolve(r, step.srcs[k])[i];
-      dst[i] = acc;
-      if (dst2 != nullptr) dst2[i] = acc;
-    }
-    for (int k = 0; k < step.num_srcs; ++k) {
-      const BufRef& src = step.srcs[k];
-      if (src.space == Space::kLL) {
-        EXPECT_EQ(src.owner, r) << "an LL read polls a peer's memory";
-        ll_landed_.erase({src.owner, src.slot, step.chunk});
-      }
-    }
-    if (step.dst.space == Space::kLL) {
-      EXPECT_TRUE(ll_landed_.insert({step.dst.owner, step.dst.slot, step.chunk}).second)
-          << "an LL slot written twice before it was read";
-    }
-  }
-
-  const Schedule& s_;
-  int64_t numel_;
-  int blocks_;
-  bool in_place_;
-  std::vector<Program> programs_;
-  std::vector<std::vector<float>> inputs_, original_inputs_, outputs_;
-  std::vector<std::vector<std::vector<float>>> slots_;
-  std::map<std::pair<int, int>, int> flags_;
-  std::vector<std::vector<std::vector<float>>> ll_slots_;
-  std::set<std::tuple<int, int, int>> ll_landed_;  // (owner, slot, chunk) written, unread
-};
 
 class EveryAcceptedSchedule : public testing::TestWithParam<Case> {};
 

@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <ostream>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -201,9 +202,11 @@ inline uint64_t fnv1a(const uint8_t* data, size_t bytes) {
 }
 
 // ------------------------------------------------------------------ the expected expression
-// What the design promises, written without the step lists: flat algorithms sum every rank in
-// rank order in fp32 and round once; island algorithms round each island's rank-ordered fp32
-// sum, then add the two partials (the island holding rank 0 first) and round again.
+// What the design promises, written without the step lists: one reduction order per group,
+// whatever the tactic. Where the group has two equal islands of two or more ranks, each island's
+// sum (rank order, fp32 from +0) is rounded, then the two partials (the island holding rank 0
+// first) are added from +0 and rounded again; elsewhere every rank in rank order from +0, rounded
+// once. Starting from +0 makes every sum of zeros +0.
 
 struct Expected {
   float value;     // bitwise expectation
@@ -211,28 +214,40 @@ struct Expected {
   double abs_sum;  // sum of magnitudes, for the tolerance
 };
 
-inline Expected expected_element(uint64_t seed, int world, const std::vector<int>& island_of,
-                                 bool island_algorithm, int64_t index, DType dtype) {
-  Expected e{0.0f, 0.0, 0.0};
-  float flat = 0.0f;
+// True when the group's tree has two groups: two islands of equal size >= 2.
+inline bool two_equal_islands(int world, const std::vector<int>& island_of) {
+  if (static_cast<int>(island_of.size()) != world) return false;
+  const std::set<int> ids(island_of.begin(), island_of.end());
+  const auto first = std::count(island_of.begin(), island_of.end(), island_of[0]);
+  return ids.size() == 2 && first * 2 == world && first >= 2;
+}
+
+// The group's sum of `x` (one value per rank), rounded as the tree rounds it.
+inline float expected_sum(const std::vector<float>& x, const std::vector<int>& island_of,
+                          DType dtype) {
+  const int world = static_cast<int>(x.size());
+  if (!two_equal_islands(world, island_of)) {
+    float flat = 0.0f;
+    for (float v : x) flat += v;
+    return static_cast<float>(round_to(dtype, flat));
+  }
   float side_sum[2] = {0.0f, 0.0f};
-  bool side_started[2] = {false, false};
+  for (int q = 0; q < world; ++q) side_sum[island_of[q] == island_of[0] ? 0 : 1] += x[q];
+  const auto p0 = static_cast<float>(round_to(dtype, side_sum[0]));
+  const auto p1 = static_cast<float>(round_to(dtype, side_sum[1]));
+  return static_cast<float>(round_to(dtype, 0.0f + p0 + p1));
+}
+
+inline Expected expected_element(uint64_t seed, int world, const std::vector<int>& island_of,
+                                 int64_t index, DType dtype) {
+  Expected e{0.0f, 0.0, 0.0};
+  std::vector<float> x(world);
   for (int q = 0; q < world; ++q) {
-    const float x = input_value(seed, q, index, dtype);
-    e.exact += x;
-    e.abs_sum += std::fabs(x);
-    flat = q == 0 ? x : flat + x;
-    const int side = island_of.empty() || island_of[q] == island_of[0] ? 0 : 1;
-    side_sum[side] = side_started[side] ? side_sum[side] + x : x;
-    side_started[side] = true;
+    x[q] = input_value(seed, q, index, dtype);
+    e.exact += x[q];
+    e.abs_sum += std::fabs(x[q]);
   }
-  if (!island_algorithm) {
-    e.value = static_cast<float>(round_to(dtype, flat));
-  } else {
-    const auto p0 = static_cast<float>(round_to(dtype, side_sum[0]));
-    const auto p1 = static_cast<float>(round_to(dtype, side_sum[1]));
-    e.value = static_cast<float>(round_to(dtype, p0 + p1));
-  }
+  e.value = expected_sum(x, island_of, dtype);
   return e;
 }
 
@@ -590,14 +605,13 @@ inline std::vector<TacticCase> all_tactics(int world, const std::vector<int>& is
 
 inline void check_output(const Workload& w, const CallCase& call, int rank, int call_index,
                          const uint8_t* out, RankReport* report) {
-  const Algorithm algorithm = w.tactics[call.tactic].tactic.algorithm;
-  const bool island = plan::is_island_algorithm(algorithm);
+  const bool islands = two_equal_islands(w.world, w.island_of);
   const int elem = plan::dtype_bytes(call.dtype);
   const double tolerance_factor =
-      (island ? 3.0 : 1.0) * unit_roundoff(call.dtype) + w.world * std::ldexp(1.0, -24);
+      (islands ? 3.0 : 1.0) * unit_roundoff(call.dtype) + w.world * std::ldexp(1.0, -24);
   uint8_t want[4];
   for (int64_t i = 0; i < call.numel; ++i) {
-    const Expected e = expected_element(call.seed, w.world, w.island_of, island, i, call.dtype);
+    const Expected e = expected_element(call.seed, w.world, w.island_of, i, call.dtype);
     encode(call.dtype, e.value, want);
     const uint8_t* got = out + i * elem;
     const double got_value = decode(call.dtype, got);

@@ -311,7 +311,6 @@ void collective_rank(int world, const std::vector<int>& island_of, const plan::L
             plan::build_schedule(built.algorithm, built.direction, built.staged, world, island_of,
                                  built.protocol, collective);
         const int program = ws.add_program(plan::encode_program(schedule, rank));
-        const bool island = plan::is_island_algorithm(built.algorithm);
         for (DType dtype : plan::kAllDTypes) {
           const int elem = plan::dtype_bytes(dtype);
           const int64_t chunk = kChunkVecs * plan::kVectorBytes / elem;
@@ -350,8 +349,7 @@ void collective_rank(int world, const std::vector<int>& island_of, const plan::L
           for (int64_t i = 0; i < (scatter ? chunk : world * chunk) && wrong.empty(); ++i) {
             const int64_t index = scatter ? rank * chunk + i : i;
             const float v =
-                scatter ? host_test::expected_element(seed, world, island_of, island, index, dtype)
-                              .value
+                scatter ? host_test::expected_element(seed, world, island_of, index, dtype).value
                         : value(static_cast<int>(i / chunk), i);
             encode(dtype, v, want);
             if (std::memcmp(want, (scatter ? mine : whole.data()) + i * elem, elem) != 0) {

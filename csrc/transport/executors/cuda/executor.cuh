@@ -71,9 +71,14 @@ __device__ __forceinline__ uint4* resolve(const LaunchParams& p, const Call& c,
 }
 
 // The first LL vector of an LL slot: payload vector v lives at [2v, 2v + 1] (Lamport: at v).
+// The parity goes through opaque_u32 so that its product with the parity stride is computed here,
+// a multiply-add per operand, not hoisted out of the LL loops as a 64-bit register: with a split
+// sum's first partial held through its later groups, that register made ptxas reuse an earlier
+// operand's registers for a later load in fp32 on sm_90 (a half-serial first look).
 __device__ __forceinline__ uint4* resolve_ll(const LaunchParams& p, const Call& c,
                                              const plan::BufRef& ref) {
-  return reinterpret_cast<uint4*>(p.bases[ref.owner] + p.layout.ll_slot_offset(c.parity, ref.slot));
+  const int parity = static_cast<int>(opaque_u32(static_cast<uint32_t>(c.parity)));
+  return reinterpret_cast<uint4*>(p.bases[ref.owner] + p.layout.ll_slot_offset(parity, ref.slot));
 }
 
 // The Lamport header of LL slot `ref`'s slice of `chunk` in this CTA: one tagged LL vector pair.
@@ -123,41 +128,130 @@ __device__ __forceinline__ plan::CallPosition position(const LaunchParams& p, co
 
 // ------------------------------------------------------------------ plain reduce
 
-// Sum of N vectors in operand order (acc = x0; acc += x1; ...), in fp32, rounded once. The
-// order is the schedule's rank order: it is what makes every rank's result bitwise identical.
-template <typename T, int N>
+// The association every reduce of two or more operands computes (plan::Step::split), in fp32:
+// each sum runs in operand order from +0 (((+0 + a0) + a1) + ...), so no sum is ever -0 and every
+// protocol gives the same zero (a lamport writer cannot store -0); split = S splits the operands
+// into two sums, [0, S) and [S, N), each rounded to the dtype before the two are added (from +0
+// again: a rounded partial may be -0) and rounded once more. That is what an island tactic
+// computes from two partials it stored in slots, so a flat tactic on the same group gives the same
+// bits with the partials in registers. The order is the schedule's: it is what makes every rank's
+// result bitwise identical.
+//
+// The split is a template parameter, chosen once per step (with_split), as the operand count is.
+// Known at compile time, the first sum's rounding takes registers only from the split on, where
+// the first operands' are free; tested at run time at every operand (a branch, or selects) it
+// spilled the kernels, which sit at their register budget. Only the splits the builders emit are
+// compiled: the canonical tree's two equal groups (N / 2 of an even N). Each other split would be
+// another copy of the kernel's largest code (the LL reduces), in size and in compile time. A split
+// of a pair is the plain sum: its groups of one are exact, so it is the same bits.
+
+// Where every sum starts: +0, the one start that turns a -0 operand into +0 and leaves every other
+// value as it is.
+inline constexpr float kSumStart = 0.0f;
+template <int K>
+__device__ __forceinline__ void start_sum(float (&acc)[K]) {
+#pragma unroll
+  for (int e = 0; e < K; ++e) acc[e] = kSumStart;
+}
+
+// acc += operand x (widened: exact).
+template <typename T>
+__device__ __forceinline__ void add_operand(float (&acc)[VecMath<T>::kElems], const uint4& x) {
+  using M = VecMath<T>;
+  float term[M::kElems];
+  M::widen(x, term);
+#pragma unroll
+  for (int e = 0; e < M::kElems; ++e) acc[e] = add_rn(acc[e], term[e]);
+}
+
+// The operand a step's second sum starts at: 0 when the step is one sum.
+__device__ __forceinline__ uint32_t split_of(const plan::Step& step) { return step.split; }
+
+template <int S>
+struct Split {
+  static constexpr int value = S;
+};
+
+// f(Split<S>{}) for the step's split (executor_runs_split). A split of a pair is a plain sum; a
+// split the kernels do not run traps (check_program() accepts every split in [1, N); install()
+// refuses those).
+template <int N, typename F>
+__device__ __forceinline__ void with_split(uint32_t split, const F& f) {
+  if constexpr (N >= 4 && N % 2 == 0) {
+    if (split == N / 2) return f(Split<N / 2>{});
+  }
+  if (!executor_runs_split(N, static_cast<int>(split))) trap_kernel();
+  f(Split<0>{});
+}
+
+// Before operand i of a sum split at S: there, the first sum is rounded into `first` and acc
+// starts again.
+template <typename T, int S>
+__device__ __forceinline__ void split_at(int i, float (&acc)[VecMath<T>::kElems], uint4& first) {
+  if (S != 0 && i == S) {
+    first = VecMath<T>::narrow(acc);
+    start_sum(acc);
+  }
+}
+
+// After the last operand of a sum split at S: acc = (+0 + round(first sum)) + round(second sum),
+// for the caller to round.
+template <typename T, int S>
+__device__ __forceinline__ void join_split(float (&acc)[VecMath<T>::kElems], const uint4& first) {
+  if (S != 0) {
+    const uint4 second = VecMath<T>::narrow(acc);
+    start_sum(acc);
+    add_operand<T>(acc, first);
+    add_operand<T>(acc, second);
+  }
+}
+
+// The sum of N >= 2 vectors of one step split at S, rounded (see above).
+template <typename T, int N, int S>
 __device__ __forceinline__ uint4 sum_in_order(const uint4 (&x)[N]) {
   using M = VecMath<T>;
   float acc[M::kElems];
-  M::widen(x[0], acc);
+  uint4 first = make_uint4(0u, 0u, 0u, 0u);
+  start_sum(acc);
 #pragma unroll
-  for (int i = 1; i < N; ++i) {
-    float term[M::kElems];
-    M::widen(x[i], term);
-#pragma unroll
-    for (int e = 0; e < M::kElems; ++e) acc[e] = add_rn(acc[e], term[e]);
+  for (int i = 0; i < N; ++i) {
+    split_at<T, S>(i, acc, first);
+    add_operand<T>(acc, x[i]);
   }
+  join_split<T, S>(acc, first);
   return M::narrow(acc);
 }
 
-// dst[v] = src0[v] + ... + src{N-1}[v] over this thread's vectors of the slice. All operands
-// are loaded before the store, so dst may alias any source elementwise (the in-place op).
-template <typename T, plan::Direction D, int N>
+// dst[v] = src0[v] + ... + src{N-1}[v] (split at S) over this thread's vectors of the slice. All
+// operands are loaded before the store, so dst may alias any source elementwise (the in-place op).
+template <typename T, plan::Direction D, int N, int S>
 __device__ __forceinline__ void reduce_slice(const LaunchParams& p, const Call& c,
                                              const plan::Step& step, plan::VecRange range) {
+  // The operands' and the destination's pointers advance by the stride, rather than an index
+  // being added to each of them: with the split sums' code in the kernel, ptxas spilled one of
+  // eight operand pointers (bf16/fp16 on sm_90 with a 32-bit index, fp32 on sm_120 with a 64-bit
+  // one). 32-bit vector count: a message has fewer than 2^32 elements (make_layout refuses a
+  // larger max_numel), so fewer than 2^30 vectors.
+  const int begin = static_cast<int>(range.begin) + thread_index();
+  const int stride = static_cast<int>(blockDim.x);
   const uint4* src[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) src[i] = resolve(p, c, step.srcs[i]);
-  uint4* dst = resolve(p, c, step.dst);
-  for (int64_t v = range.begin + thread_index(); v < range.end; v += blockDim.x) {
+  for (int i = 0; i < N; ++i) src[i] = resolve(p, c, step.srcs[i]) + begin;
+  uint4* dst = resolve(p, c, step.dst) + begin;
+  const int end = static_cast<int>(range.end);
+  for (int v = begin; v < end; v += stride) {
     uint4 x[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) x[i] = load_operand<D>(src[i] + v);
-    if constexpr (N == 1) {
-      store_cg(dst + v, x[0]);  // a copy moves bits; it never rounds
-    } else {
-      store_cg(dst + v, sum_in_order<T, N>(x));
+    for (int i = 0; i < N; ++i) {
+      x[i] = load_operand<D>(src[i]);
+      src[i] += stride;
     }
+    if constexpr (N == 1) {
+      store_cg(dst, x[0]);  // a copy moves bits; it never rounds
+    } else {
+      store_cg(dst, sum_in_order<T, N, S>(x));
+    }
+    dst += stride;
   }
 }
 
@@ -272,7 +366,10 @@ __device__ __forceinline__ uint4 await_ll(const LaunchParams& p, const Call& c, 
 __device__ __forceinline__ void exchange_headers(const LaunchParams& p, const Call& c,
                                                  int step_index, const plan::Step& step) {
   if (step.dst.space == plan::Space::kLL) {
-    store_ll_payload(ll_header(p, c, step.dst, step.chunk), make_uint4(0u, 0u, 0u, 0u), c.ll_tag);
+    // The tag through opaque_u32: otherwise ptxas builds the header's {0, tag} word once, holds it
+    // through the whole kernel and, at the budget (fp32 on sm_86/89), spills it.
+    store_ll_payload(ll_header(p, c, step.dst, step.chunk), make_uint4(0u, 0u, 0u, 0u),
+                     opaque_u32(c.ll_tag));
   }
   for (int i = 0; i < step.num_srcs; ++i) {
     const plan::BufRef& ref = step.srcs[i];
@@ -355,12 +452,12 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
   }
 }
 
-// Sums operands [First, N) of payload vector v into acc (fp32, operand order), kLLGroup at a
-// time. acc is only defined after operand 0, so group 0 widens instead of adding.
-template <typename T, plan::Direction D, bool Dense, int First, int N>
+// Adds operands [First, N) of payload vector v to acc (fp32, operand order, split at S as
+// sum_in_order splits: `first` takes the rounded first sum), kLLGroup at a time.
+template <typename T, plan::Direction D, bool Dense, int N, int S, int First>
 __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call& c, int step_index,
                                               const plan::Step& step, uint32_t ll_mask, int v,
-                                              float (&acc)[VecMath<T>::kElems]) {
+                                              float (&acc)[VecMath<T>::kElems], uint4& first) {
   using M = VecMath<T>;
   constexpr int kGroup = Dense ? kLLDenseGroup : kLLGroup;
   constexpr int K = N - First < kGroup ? N - First : kGroup;
@@ -368,29 +465,22 @@ __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call&
   gather_ll_group<D, Dense, First, K>(p, c, step_index, step, ll_mask, v, x);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (First + k == 0) {
-      M::widen(x[k], acc);
-    } else {
-      float term[M::kElems];
-      M::widen(x[k], term);
-#pragma unroll
-      for (int e = 0; e < M::kElems; ++e) acc[e] = add_rn(acc[e], term[e]);
-    }
+    split_at<T, S>(First + k, acc, first);
+    add_operand<T>(acc, x[k]);
   }
   if constexpr (First + K < N) {
     // This group's sum is done before the next group's loads: otherwise the compiler may defer
     // the adds past them and hold this group's operands (4 registers each) in place of the sum.
 #pragma unroll
     for (int e = 0; e < M::kElems; ++e) acc[e] = opaque_f32(acc[e]);
-    accumulate_ll<T, D, Dense, First + K, N>(p, c, step_index, step, ll_mask, v, acc);
+    accumulate_ll<T, D, Dense, N, S, First + K>(p, c, step_index, step, ll_mask, v, acc, first);
   }
 }
 
-// A reduce that reads or writes LL slots: the same sum as reduce_slice (operand order, fp32,
-// one rounding; a copy moves bits), with LL operands awaited per vector and an LL destination
-// written tagged (Dense: as it is, no word kLLEmpty, its header beside it). Nothing else: no
-// fence, no flag, no barrier.
-template <typename T, plan::Direction D, bool Dense, int N>
+// A reduce that reads or writes LL slots: the same sum as reduce_slice (sum_in_order; a copy
+// moves bits), with LL operands awaited per vector and an LL destination written tagged (Dense:
+// as it is, no word kLLEmpty, its header beside it). Nothing else: no fence, no flag, no barrier.
+template <typename T, plan::Direction D, bool Dense, int N, int S>
 __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Call& c,
                                                 int step_index, const plan::Step& step,
                                                 plan::VecRange range) {
@@ -411,7 +501,10 @@ __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Cal
       out = x[0];
     } else {
       float acc[VecMath<T>::kElems];
-      accumulate_ll<T, D, Dense, 0, N>(p, c, step_index, step, ll_mask, v, acc);
+      uint4 first = make_uint4(0u, 0u, 0u, 0u);
+      start_sum(acc);
+      accumulate_ll<T, D, Dense, N, S, 0>(p, c, step_index, step, ll_mask, v, acc, first);
+      join_split<T, S>(acc, first);
       out = VecMath<T>::narrow(acc);
     }
     uint4* dst = locate<Dense>(p, c, step.dst, v);
@@ -431,7 +524,8 @@ __device__ __forceinline__ bool touches_ll(const plan::Step& step) {
   return ll;
 }
 
-// One instantiation per operand count keeps every operand array in registers.
+// One instantiation per operand count keeps every operand array in registers; one per split
+// (with_split) keeps the partial sums there too.
 // `dense`: the program's LL slots are Lamport (plan::LLFormat::kDense). Read from the staged
 // program in shared memory once per step rather than held in a register through the whole
 // kernel (one more live register spills on sm_120).
@@ -439,14 +533,17 @@ template <typename T, plan::Direction D, bool LL>
 __device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, int s,
                                          const plan::Step& step, bool dense, plan::VecRange range) {
   static_assert(plan::kMaxSources == 8);
-#define PCIE_AR_REDUCE_CASE(n)                                                \
-  case n:                                                                     \
-    if constexpr (LL) {                                                       \
-      if (dense) return reduce_slice_ll<T, D, true, n>(p, c, s, step, range); \
-      return reduce_slice_ll<T, D, false, n>(p, c, s, step, range);           \
-    } else {                                                                  \
-      return reduce_slice<T, D, n>(p, c, step, range);                        \
-    }
+#define PCIE_AR_REDUCE_CASE(n)                                                          \
+  case n:                                                                               \
+    return with_split<n>(split_of(step), [&](auto split) {                              \
+      constexpr int kSplit = decltype(split)::value;                                    \
+      if constexpr (LL) {                                                               \
+        if (dense) return reduce_slice_ll<T, D, true, n, kSplit>(p, c, s, step, range); \
+        return reduce_slice_ll<T, D, false, n, kSplit>(p, c, s, step, range);           \
+      } else {                                                                          \
+        return reduce_slice<T, D, n, kSplit>(p, c, step, range);                        \
+      }                                                                                 \
+    });
   switch (step.num_srcs) {
     PCIE_AR_REDUCE_CASE(1)
     PCIE_AR_REDUCE_CASE(2)

@@ -17,6 +17,13 @@ namespace pcie_ar::transport {
 inline constexpr int kMaxThreads = 1024;  // the executor's __launch_bounds__
 inline constexpr int kWarpThreads = 32;
 
+// The splits (plan::Step::split) of a reduce of num_srcs operands that the executor runs: none,
+// or the canonical tree's two equal groups, the only ones the builders emit (executor.cuh says
+// why no other is compiled). A pair split 1 | 1 is the same bits as no split.
+PCIE_AR_HD constexpr bool executor_runs_split(int num_srcs, int split) {
+  return split == 0 || (num_srcs % 2 == 0 && 2 * split == num_srcs);
+}
+
 // Everything one launch needs, passed to the kernel by value. Arrays are indexed by rank; a
 // real rank fills only its own entries of inputs/outputs/programs, loopback fills every rank.
 // Programs passed plan::check_program() when they were uploaded; the kernel trusts them.

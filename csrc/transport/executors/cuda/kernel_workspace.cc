@@ -87,12 +87,20 @@ int CudaKernelWorkspace::install(const plan::Program& program) {
   }
   // The kernels sit at their register budget; a second store pointer in the reduce loop
   // spills at eight operands, so fused schedules (plan::fuse_forwarding_copies) are host-only.
+  // They are compiled for the splits the builders emit (executor_runs_split), no other.
   for (int i = 0; i < program.num_steps; ++i) {
-    if (program.steps[i].num_dsts != 1) {
+    const plan::Step& step = program.steps[i];
+    if (step.num_dsts != 1) {
       throw std::invalid_argument("rank " + std::to_string(rank()) + "'s program, step " +
                                   std::to_string(i) +
                                   ": the CUDA executor writes one destination per step; run the "
                                   "schedule unfused");
+    }
+    if (step.kind == plan::StepKind::kReduce && !executor_runs_split(step.num_srcs, step.split)) {
+      throw std::invalid_argument(
+          "rank " + std::to_string(rank()) + "'s program, step " + std::to_string(i) +
+          ": the CUDA executor splits a sum of " + std::to_string(step.num_srcs) +
+          " operands only into two equal groups, not at operand " + std::to_string(step.split));
     }
   }
   ProgramSet set;

@@ -222,7 +222,7 @@ class BlockPass {
     for (int s = 0; s < step.num_srcs; ++s) srcs[s] = resolve(step.srcs[s], range.begin);
     const int64_t count = range.end - range.begin;
     if (step.num_dsts != 2) {
-      combine(dst, srcs, step.num_srcs, count, reduce);
+      combine(dst, srcs, step, count, reduce);
       return;
     }
     // Two destinations in one pass: each tile is summed into dst, then copied on to dst2 while
@@ -233,19 +233,48 @@ class BlockPass {
       const int64_t at = v * plan::kVectorBytes;
       const uint8_t* tile[plan::kMaxSources];
       for (int s = 0; s < step.num_srcs; ++s) tile[s] = srcs[s] + at;
-      combine(dst + at, tile, step.num_srcs, n, reduce);
+      combine(dst + at, tile, step, n, reduce);
       std::memcpy(dst2 + at, dst + at, n * plan::kVectorBytes);
     }
   }
 
-  // dst = the sum of srcs; a copy moves bits untouched (NaN payloads included), in place is a
-  // no-op.
-  static void combine(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t count,
+  // dst = the sum of srcs as `step` associates it (plan::Step::split); a copy moves bits
+  // untouched (NaN payloads included), in place is a no-op.
+  static void combine(uint8_t* dst, const uint8_t* const* srcs, const Step& step, int64_t count,
                       ReduceFn reduce) {
-    if (num_srcs == 1) {
+    if (step.num_srcs == 1) {
       if (dst != srcs[0]) std::memmove(dst, srcs[0], count * plan::kVectorBytes);
+    } else if (step.split == 0) {
+      reduce(dst, srcs, step.num_srcs, count);
     } else {
-      reduce(dst, srcs, num_srcs, count);
+      sum_split(dst, srcs, step.num_srcs, step.split, count, reduce);
+    }
+  }
+
+  // A split sum, a tile at a time: each group's sum is rounded into an L1 tile by the same
+  // reducer (a group of one is its operand), then the two tiles are summed into dst — what an
+  // island tactic computes through its partial slot, bit for bit. Both tiles are whole before
+  // dst is stored, so dst may alias a source.
+  static void sum_split(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int split,
+                        int64_t count, ReduceFn reduce) {
+    alignas(64) uint8_t partials[2][kFusedTileVecs * plan::kVectorBytes];
+    for (int64_t v = 0; v < count; v += kFusedTileVecs) {
+      const int64_t n = std::min(kFusedTileVecs, count - v);
+      const int64_t at = v * plan::kVectorBytes;
+      const uint8_t* tile[plan::kMaxSources];
+      for (int s = 0; s < num_srcs; ++s) tile[s] = srcs[s] + at;
+      const uint8_t* sums[2];
+      const int first[2] = {0, split};
+      const int size[2] = {split, num_srcs - split};
+      for (int g = 0; g < 2; ++g) {
+        if (size[g] == 1) {
+          sums[g] = tile[first[g]];
+          continue;
+        }
+        reduce(partials[g], tile + first[g], size[g], n);
+        sums[g] = partials[g];
+      }
+      reduce(dst + at, sums, 2, n);
     }
   }
 
@@ -274,7 +303,7 @@ class BlockPass {
       store_ll(srcs[0], resolve(step.dst, first), count, dense_);
       return;
     }
-    if (!(copy && srcs[0] == out)) combine(out, srcs, step.num_srcs, count, reduce);
+    if (!(copy && srcs[0] == out)) combine(out, srcs, step, count, reduce);
     if (ll_dst) store_ll(out, resolve(step.dst, first), count, dense_);
   }
 

@@ -14,15 +14,16 @@
 namespace pcie_ar::transport {
 namespace {
 
-// dst[0, kElems) = sum of srcs in order, accumulated in fp32 and rounded once. Every source is
-// loaded before dst is stored, so dst may alias a source elementwise (in-place).
+// dst[0, kElems) = sum of srcs in order, accumulated in fp32 from +0 (so no sum is -0: the
+// same bits whichever protocol carried the operands, plan::Step::split) and rounded once. Every
+// source is loaded before dst is stored, so dst may alias a source elementwise (in-place).
 template <typename Codec, int kElems>
 inline void reduce_tile(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t offset) {
   using Bits = typename Codec::Bits;
   Bits lanes[kElems];
   float acc[kElems];
   std::memcpy(lanes, srcs[0] + offset, sizeof(lanes));
-  for (int i = 0; i < kElems; ++i) acc[i] = Codec::to_float(lanes[i]);
+  for (int i = 0; i < kElems; ++i) acc[i] = 0.0f + Codec::to_float(lanes[i]);
   for (int s = 1; s < num_srcs; ++s) {
     std::memcpy(lanes, srcs[s] + offset, sizeof(lanes));
     for (int i = 0; i < kElems; ++i) acc[i] += Codec::to_float(lanes[i]);

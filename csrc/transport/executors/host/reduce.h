@@ -1,5 +1,5 @@
-// The host executor's arithmetic: dst = sum of sources in order, accumulated in fp32 and
-// rounded once, for bf16, fp16 and fp32, matching the CUDA executor's __fadd_rn and
+// The host executor's arithmetic: dst = sum of sources in order, accumulated in fp32 from +0
+// and rounded once, for bf16, fp16 and fp32, matching the CUDA executor's __fadd_rn and
 // round-to-nearest-even bit for bit.
 //
 // Three implementations of one function, chosen at run time by what the CPU supports:
@@ -27,7 +27,8 @@
 
 namespace pcie_ar::transport {
 
-// dst[0, num_vecs) = srcs[0] + ... + srcs[num_srcs - 1] over 16-byte vectors, in operand order.
+// dst[0, num_vecs) = +0 + srcs[0] + ... + srcs[num_srcs - 1] over 16-byte vectors, in operand
+// order (num_srcs >= 2: one operand is a copy, which moves bits and is not a reduce).
 // Every source vector is loaded before dst is stored, so dst may alias a source elementwise.
 using ReduceFn = void (*)(uint8_t* dst, const uint8_t* const* srcs, int num_srcs, int64_t num_vecs);
 

@@ -2,8 +2,8 @@
 // with target attributes, so one build runs on any x86-64 CPU and the dispatcher
 // (reduce.cc) picks what the CPU runs. Each mirrors the scalar reference exactly:
 //   - operands are widened to fp32 exactly (bf16: zero words interleaved below each element;
-//     fp16: the hardware conversion, exact for every half value) and added in operand order,
-//     one IEEE add per operand, as the scalar loop does;
+//     fp16: the hardware conversion, exact for every half value) and added in operand order
+//     to +0, one IEEE add per operand, as the scalar loop does;
 //   - a NaN sum becomes the canonical NaN (reduce.h);
 //   - bf16 is rounded with the scalar codec's integer formula (x + 0x7fff + lsb) >> 16;
 //   - fp16 is rounded by the hardware (round to nearest even, exceptions suppressed), whose
@@ -39,13 +39,13 @@ using plan::kVectorBytes;
 
 // The reduce loop, written once per ISA (a target attribute cannot be a template parameter).
 // Ops describes one group: kBytes of memory that widen into a Pair of fp32 registers.
-#define PCIE_AR_REDUCE_LOOP(Ops, add)                                              \
+#define PCIE_AR_REDUCE_LOOP(Ops, add, zero)                                        \
   const int64_t bytes = num_vecs * kVectorBytes;                                   \
   int64_t at = 0;                                                                  \
   /* two groups per pass: independent add chains while an operand streams in */    \
   for (; at + 2 * Ops::kBytes <= bytes; at += 2 * Ops::kBytes) {                   \
-    auto a0 = Ops::load(srcs[0] + at);                                             \
-    auto a1 = Ops::load(srcs[0] + at + Ops::kBytes);                               \
+    auto a0 = add(zero(), Ops::load(srcs[0] + at));                                \
+    auto a1 = add(zero(), Ops::load(srcs[0] + at + Ops::kBytes));                  \
     for (int s = 1; s < num_srcs; ++s) {                                           \
       a0 = add(a0, Ops::load(srcs[s] + at));                                       \
       a1 = add(a1, Ops::load(srcs[s] + at + Ops::kBytes));                         \
@@ -54,7 +54,7 @@ using plan::kVectorBytes;
     Ops::store(dst + at + Ops::kBytes, a1);                                        \
   }                                                                                \
   for (; at + Ops::kBytes <= bytes; at += Ops::kBytes) {                           \
-    auto a = Ops::load(srcs[0] + at);                                              \
+    auto a = add(zero(), Ops::load(srcs[0] + at));                                 \
     for (int s = 1; s < num_srcs; ++s) a = add(a, Ops::load(srcs[s] + at));        \
     Ops::store(dst + at, a);                                                       \
   }                                                                                \
@@ -73,6 +73,8 @@ struct Avx2Pair {
 PCIE_AR_AVX2_INLINE Avx2Pair avx2_add(Avx2Pair a, Avx2Pair b) {
   return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
 }
+
+PCIE_AR_AVX2_INLINE Avx2Pair avx2_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 
 PCIE_AR_AVX2_INLINE __m256 avx2_nan_lanes(__m256 v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
 
@@ -138,7 +140,7 @@ struct Avx2Fp16 {
 template <typename Ops, DType kDType>
 PCIE_AR_AVX2 void avx2_reduce(uint8_t* dst, const uint8_t* const* srcs, int num_srcs,
                               int64_t num_vecs) {
-  PCIE_AR_REDUCE_LOOP(Ops, avx2_add)
+  PCIE_AR_REDUCE_LOOP(Ops, avx2_add, avx2_zero)
 }
 
 // ---------------------------------------------------------------- AVX-512: 2 x 16 fp32 lanes
@@ -149,6 +151,10 @@ struct Avx512Pair {
 
 PCIE_AR_AVX512_INLINE Avx512Pair avx512_add(Avx512Pair a, Avx512Pair b) {
   return {_mm512_add_ps(a.lo, b.lo), _mm512_add_ps(a.hi, b.hi)};
+}
+
+PCIE_AR_AVX512_INLINE Avx512Pair avx512_zero() {
+  return {_mm512_setzero_ps(), _mm512_setzero_ps()};
 }
 
 PCIE_AR_AVX512_INLINE __mmask16 avx512_nan_lanes(__m512 v) {
@@ -210,7 +216,7 @@ struct Avx512Fp16 {
 template <typename Ops, DType kDType>
 PCIE_AR_AVX512 void avx512_reduce(uint8_t* dst, const uint8_t* const* srcs, int num_srcs,
                                   int64_t num_vecs) {
-  PCIE_AR_REDUCE_LOOP(Ops, avx512_add)
+  PCIE_AR_REDUCE_LOOP(Ops, avx512_add, avx512_zero)
 }
 
 #undef PCIE_AR_REDUCE_LOOP
