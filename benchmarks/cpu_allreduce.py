@@ -8,12 +8,15 @@ rank's mean microseconds per call, and the median over rounds of each round's ra
 
     ours_      PcieAllReduce(None, "cpu").all_reduce_(t)    (in place)
     ours       PcieAllReduce(None, "cpu").all_reduce(t)     (out of place, allocates)
+    streamed   all_reduce_(t) through a workspace of --stream-workspace bytes (1 MiB): messages
+               above it run as rounds through it (plan/rounds.h)
     deepspeed  torch.ops.deepspeed.inference_all_reduce_(t) (DeepSpeed's ShareMemCommBuilder op)
     gloo       torch.distributed.all_reduce(t) on the gloo group
     floor      benchmarks/cpu_floor.cpp: copy-in, barrier, reduce own slice, barrier, copy-out
 
     .venv/bin/python benchmarks/cpu_allreduce.py --world 2 --dtype bf16
     .venv/bin/python benchmarks/cpu_allreduce.py --quick --world 2 4 --dtype bf16 fp32
+    .venv/bin/python benchmarks/cpu_allreduce.py --world 2 4 --sizes 64K 1M 4M 16M 64M --skip floor
 
 Without DeepSpeed (or when its op does not build) the deepspeed column is left out, saying
 why. The floor and DeepSpeed's op are JIT-built with torch.utils.cpp_extension (needs ninja).
@@ -40,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-NAMES = ["ours_", "ours", "deepspeed", "gloo", "floor"]
+NAMES = ["ours_", "ours", "streamed", "deepspeed", "gloo", "floor"]
 BASE = "ours_"
 FLOOR_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_floor.cpp")
 ADDR = "127.0.0.1"
@@ -183,6 +186,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
     skipped: dict[str, str] = {name: "--skip" for name in args.skip}
 
     ar = PcieAllReduce(None, "cpu", max_numel=max_numel)
+    small = None
+    if "streamed" not in skipped:
+        small_numel = max(8, args.stream_workspace // elem // 8 * 8)
+        small = PcieAllReduce(None, "cpu", max_numel=small_numel, stream_max_numel=max_numel)
     ds_op = None
     if "deepspeed" not in skipped:
         ds_op, why = _load_deepspeed(rank, world, port, dtype)
@@ -201,6 +208,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
         every = {
             "ours_": lambda: ar.all_reduce_(t),
             "ours": lambda: ar.all_reduce(t),
+            "streamed": lambda: small.all_reduce_(t),
             "deepspeed": lambda: ds_op(t),
             "gloo": lambda: dist.all_reduce(t),
             "floor": lambda: floor.run(t, t),
@@ -265,6 +273,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -
         report["wrong"][size] = dict(zip(names, wrong.tolist()))
         report["iters"][size] = iters
     ar.destroy()
+    if small is not None:
+        small.destroy()
     dist.barrier()
     if rank == 0:
         out_q.put(report)
@@ -400,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="message sizes in bytes (suffixes K, M), default 1K..16M by powers of 2",
     )
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--stream-workspace",
+        type=_parse_bytes,
+        default=1 << 20,
+        help="the streamed candidate's workspace in bytes (default 1M)",
+    )
     p.add_argument(
         "--budget",
         type=float,

@@ -156,7 +156,8 @@ void bind_options(py::module_& m) {
           [](comm::Options& o, const std::string& name) { o.disabled = comm::parse_decline(name); })
       .def_readwrite("disabled_detail", &comm::Options::disabled_detail)
       .def_readwrite("log_level", &comm::Options::log_level)
-      .def_readwrite("pdl", &comm::Options::pdl);
+      .def_readwrite("pdl", &comm::Options::pdl)
+      .def_readwrite("stream_max_numel", &comm::Options::stream_max_numel);
 }
 
 void bind_transports(py::module_& m) {

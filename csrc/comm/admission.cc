@@ -43,7 +43,12 @@ Decline admit_message(Op op, const at::Tensor& inp, const Gate& gate, Admission&
       (a.message / shares * plan::dtype_bytes(a.dtype)) % plan::kVectorBytes != 0) {
     return Decline::kNot16ByteMultiple;
   }
-  if (a.message > o.max_numel) return Decline::kTooLarge;
+  // Above the workspace, an all-reduce (fused or not) streams through it in rounds up to the
+  // operator's cap; the reduce-scatter and all-gather do not stream.
+  const bool streams = op.collective == plan::Collective::kAllReduce;
+  if (a.message > (streams ? std::max(o.max_numel, o.stream_max_numel) : o.max_numel)) {
+    return Decline::kTooLarge;
+  }
   if (!gate.connected) return Decline::kDisabled;
   return Decline::kNone;
 }
@@ -66,6 +71,8 @@ Admission admit(Op op, const at::Tensor& inp, const at::Tensor* weight, const Ga
   if (hidden > plan::kMaxEpilogueHidden ||
       (hidden * plan::dtype_bytes(a.dtype)) % plan::kVectorBytes != 0) {
     a.decline = Decline::kHidden;
+  } else if (a.message > gate.options.max_numel && hidden > gate.options.max_numel) {
+    a.decline = Decline::kTooLarge;  // a streamed round holds whole rows: not even one fits
   }
   return a;
 }

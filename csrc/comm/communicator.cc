@@ -173,14 +173,35 @@ Decline Communicator::supports(const at::Tensor& t) const {
 Decline Communicator::decline_reason(Op op, const at::Tensor& inp, const at::Tensor* weight) {
   const Admission a = admit(op, inp, weight, gate());
   if (a.decline != Decline::kNone) return a.decline;
-  return decisions_.decide(op, a.dtype, a.bytes()).fallback ? Decline::kTable : Decline::kNone;
+  return plan_call(op, a, inp).fallback ? Decline::kTable : Decline::kNone;
 }
 
 std::string Communicator::chosen_tactic(Op op, const at::Tensor& inp, const at::Tensor* weight) {
   const Admission a = admit(op, inp, weight, gate());
   if (a.decline != Decline::kNone) return std::string(fallback_label(op));
-  const Decision& d = decisions_.decide(op, a.dtype, a.bytes());
-  return d.fallback ? std::string(fallback_label(op)) : plan::tactic_label(d.tactic);
+  const CallPlan plan = plan_call(op, a, inp);
+  return plan.fallback ? std::string(fallback_label(op)) : plan::tactic_label(plan.first().tactic);
+}
+
+Communicator::CallPlan Communicator::plan_call(Op op, const Admission& a, const at::Tensor& inp) {
+  CallPlan plan;
+  if (a.message <= options_.max_numel) {
+    plan.whole = &decisions_.decide(op, a.dtype, a.bytes());
+    plan.fallback = plan.whole->fallback;
+    return plan;
+  }
+  // Streamed (admission let only all-reduces through): whole vectors, or the fused call's whole
+  // rows, each round decided by its own size. The rounds have at most two sizes.
+  const int64_t elem = plan::dtype_bytes(a.dtype);
+  const int64_t unit = has_epilogue(op) ? inp.size(-1) : plan::kVectorBytes / elem;
+  plan.rounds = plan::split_rounds(a.message, options_.max_numel, unit);
+  for (const plan::Round& round : plan.rounds) {
+    const Decision& d = decisions_.decide(op, a.dtype, round.numel * elem);
+    plan.decisions.push_back(&d);
+    plan.fallback |= d.fallback;
+  }
+  plan.fallback |= plan.rounds.empty();
+  return plan;
 }
 
 int Communicator::prepare() {
@@ -266,16 +287,16 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
 Decline Communicator::execute(Op op, const OpArgs& args, OnDecline on_decline) {
   const Admission admission = admit(op, args.inp, args.weight, gate());
   Decline decline = admission.decline;
-  const Decision* decision = nullptr;
+  CallPlan plan;
   if (decline == Decline::kNone) {
-    decision = &decisions_.decide(op, admission.dtype, admission.bytes());
-    if (decision->fallback) decline = Decline::kTable;
+    plan = plan_call(op, admission, args.inp);
+    if (plan.fallback) decline = Decline::kTable;
   }
   if (decline != Decline::kNone && on_decline == OnDecline::kReturn) return decline;
   const Staged staged(op, args);
   if (staged.any) counters_.staged();
   if (decline == Decline::kNone) {
-    run_kernels(op, *decision, admission, staged, args.eps);
+    run_kernels(op, plan, admission, staged, args.eps);
   } else {
     note_decline(op, decline, args.inp);
     run_fallback(op, staged, args.eps);
@@ -288,8 +309,27 @@ Decline Communicator::execute(Op op, const OpArgs& args, OnDecline on_decline) {
 // from chunk `rank` of the message: its base goes in `rank` chunks before it. The programs touch
 // only chunk `rank` of it (plan::verify proves it), so no byte outside the tensor is read or
 // written; the address is formed as an integer, never dereferenced below the tensor.
-void Communicator::run_kernels(Op op, const Decision& decision, const Admission& admission,
+void Communicator::run_kernels(Op op, const CallPlan& plan, const Admission& admission,
                                const Staged& s, double eps) {
+  if (plan.whole != nullptr) {
+    run_round(op, *plan.whole, plan::Round{0, admission.message}, -1, admission, s, eps);
+  } else {
+    for (size_t k = 0; k < plan.rounds.size(); ++k) {
+      run_round(op, *plan.decisions[k], plan.rounds[k], static_cast<int>(k), admission, s, eps);
+    }
+  }
+  // One call, counted under the tactic of its first round.
+  const Decision& decision = plan.first();
+  ++*decision.calls;
+  if (decision.contained_calls != nullptr) ++*decision.contained_calls;
+}
+
+void Communicator::run_round(Op op, const Decision& decision, plan::Round round, int index,
+                             const Admission& admission, const Staged& s, double eps) {
+  const int64_t elem = plan::dtype_bytes(admission.dtype);
+  const auto at = [&](const at::Tensor& t) {
+    return static_cast<void*>(static_cast<uint8_t*>(t.data_ptr()) + round.offset * elem);
+  };
   const auto chunk_base = [&](const at::Tensor& t) {
     const auto below = static_cast<uintptr_t>(options_.rank * (admission.bytes() / options_.world));
     return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(t.data_ptr()) - below);
@@ -299,14 +339,14 @@ void Communicator::run_kernels(Op op, const Decision& decision, const Admission&
   call.dtype = admission.dtype;
   call.blocks = decision.tactic.blocks;
   call.threads = decision.tactic.threads;
-  call.input = input_is_chunk(op) ? chunk_base(s.inp) : s.inp.data_ptr();
-  call.output = output_is_chunk(op) ? chunk_base(s.out) : s.out.data_ptr();
-  call.numel = admission.message;
+  call.input = input_is_chunk(op) ? chunk_base(s.inp) : at(s.inp);
+  call.output = output_is_chunk(op) ? chunk_base(s.out) : at(s.out);
+  call.numel = round.numel;
   call.signature = decision.signature;
   call.stream = current_stream(workspace_->device());
   if (has_epilogue(op)) {
-    call.epilogue.residual = s.residual.data_ptr();
-    call.epilogue.residual_out = s.residual_out.data_ptr();
+    call.epilogue.residual = at(s.residual);
+    call.epilogue.residual_out = at(s.residual_out);
     call.epilogue.weight = s.weight.data_ptr();
     call.epilogue.hidden = s.inp.size(-1);
     call.epilogue.eps = static_cast<float>(eps);
@@ -314,14 +354,13 @@ void Communicator::run_kernels(Op op, const Decision& decision, const Admission&
     call.signature =
         plan::epilogue_signature(decision.signature, call.epilogue.eps, call.epilogue.hidden);
   }
+  if (index >= 0) call.signature = plan::round_signature(call.signature, admission.message, index);
   try {
     workspace_->run(call);
   } catch (const transport::TransportFailure& e) {
     transport_failed(e);
   }
-  ++*decision.calls;
-  if (decision.contained_calls != nullptr) ++*decision.contained_calls;
-  counters_.sent(decision.program->sent_fraction, admission.bytes());
+  counters_.sent(decision.program->sent_fraction, round.numel * elem);
 }
 
 void Communicator::run_fallback(Op op, const Staged& s, double eps) {

@@ -32,6 +32,7 @@
 #include "comm/options.h"
 #include "comm/stats.h"
 #include "plan/protocol.h"
+#include "plan/rounds.h"
 
 namespace pcie_ar::transport {
 class Workspace;
@@ -143,8 +144,24 @@ class Communicator {
   // run() after the call is entered and its arguments checked; the fused call's unfused path
   // runs its all-reduce through it too.
   Decline execute(Op op, const OpArgs& args, OnDecline on_decline);
-  void run_kernels(Op op, const Decision& decision, const Admission& admission, const Staged& s,
+  // What runs an admitted call on the kernels: one decision for a message that fits the
+  // workspace, else one per round (plan/rounds.h). `fallback` when the table sends the message,
+  // or any of its rounds, to the fallback. Depends only on what every rank agrees on (the op, the
+  // dtype, the message and row sizes, max_numel, the table), so every rank takes the same path.
+  struct CallPlan {
+    const Decision* whole = nullptr;         // the message in one call, or
+    std::vector<plan::Round> rounds;         // its rounds, each with
+    std::vector<const Decision*> decisions;  // its decision
+    bool fallback = false;
+    const Decision& first() const { return whole != nullptr ? *whole : *decisions.front(); }
+  };
+  CallPlan plan_call(Op op, const Admission& admission, const at::Tensor& inp);
+  void run_kernels(Op op, const CallPlan& plan, const Admission& admission, const Staged& s,
                    double eps);
+  // One call of the kernels over `round` of the message: the whole of it (index -1), or round
+  // `index` of a streamed one.
+  void run_round(Op op, const Decision& decision, plan::Round round, int index,
+                 const Admission& admission, const Staged& s, double eps);
   void run_fallback(Op op, const Staged& s, double eps);
   // The group's own collective did not complete (timed out, or interrupted): the communicator is
   // failed, as after a kernel timeout, and the call raises Failure (Interrupted).

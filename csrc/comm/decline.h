@@ -19,7 +19,7 @@ enum class Decline : uint8_t {
   kDevice = 4,         // not on this communicator's device
   kNotContiguous = 5,  // no longer used: strided views are staged through a contiguous copy
   kNot16ByteMultiple = 6,
-  kTooLarge = 7,  // numel > max_numel: prefill-sized, NCCL's ring territory
+  kTooLarge = 7,  // numel > max_numel (streamed all-reduces: > stream_max_numel)
   kEmpty = 8,
   kNvLink = 9,       // NVLink peers: the engine's own custom all-reduce is faster
   kNoP2P = 10,       // a pair failed the write-and-verify P2P test

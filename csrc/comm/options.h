@@ -17,6 +17,9 @@ struct Options {
   int rank = 0;
   int world = 0;
   int64_t max_numel = 0;
+  // An all-reduce or fused call larger than the workspace, up to this many elements, runs on the
+  // kernels as rounds through it (plan/rounds.h); above it, or when 0, it declines too_large.
+  int64_t stream_max_numel = 0;
   std::vector<plan::DType> dtypes = {plan::DType::kBF16, plan::DType::kFP16, plan::DType::kFP32};
   transport::Kind transport = transport::Kind::kHostShm;
   int device = -1;                           // CUDA device index (CUDA transports)

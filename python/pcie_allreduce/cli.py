@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--hidden", type=int, default=4096, help="--fused: elements per row")
     b.add_argument(
+        "--workspace",
+        type=_parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="all-reduce and --fused: the communicator's workspace (default: the largest "
+        "message); larger messages stream through it in rounds",
+    )
+    b.add_argument(
         "--collective",
         choices=["all_reduce", "reduce_scatter", "all_gather"],
         default="all_reduce",

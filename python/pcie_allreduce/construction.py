@@ -154,6 +154,7 @@ def decide_locally(
     initial_generation: int,
     enabled: bool,
     transport: str | None,
+    stream_max_numel: Any = None,
 ) -> Local:
     """Step 1: the arguments checked (``policy``), the table file read and parsed, the CPU
     reduce kernels chosen, the extension's Options filled; everything raises before any
@@ -189,6 +190,7 @@ def decide_locally(
     opts.group_name = group.group_name
     opts.log_level = env.log_level
     opts.pdl = env.pdl
+    opts.stream_max_numel = policy.stream_cap(stream_max_numel, env.stream_max_numel, device.type)
     off = ON
     if not enabled:
         off = ("disabled", "constructed with enabled=False")
@@ -321,6 +323,8 @@ class Builder:
         mine = {
             "world": self.world,
             "max_numel": int(opts.max_numel),
+            # Which calls stream depends on it: every rank must take the same path.
+            "stream_max_numel": int(opts.stream_max_numel),
             "dtypes": sorted(self.opts.dtypes),
             "transport": self.transport,
             "transport_mode": self.choice.mode,

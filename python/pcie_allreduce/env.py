@@ -30,6 +30,9 @@ class Env:
     enable: bool | None = None
     # PCIE_ALLREDUCE_MAX_NUMEL: the workspace in elements, under policy.check_max_numel's rule.
     max_numel: int | None = None
+    # PCIE_ALLREDUCE_STREAM_MAX_NUMEL: the largest all-reduce (in elements) streamed through the
+    # workspace in rounds; None: policy.stream_cap's default for the device.
+    stream_max_numel: int | None = None
     # PCIE_ALLREDUCE_TABLE: a tuning-table CSV file that replaces the cache and the seed.
     table: str | None = None
     # PCIE_ALLREDUCE_TIMEOUT_S: every wait's deadline in seconds (0 waits forever).
@@ -133,6 +136,12 @@ _FLAGS: dict[str, tuple[str, Callable[[Mapping[str, str]], Any]]] = {
     "max_numel": (
         "PCIE_ALLREDUCE_MAX_NUMEL",
         lambda e: _number(e, "PCIE_ALLREDUCE_MAX_NUMEL", int, policy.check_max_numel, None),
+    ),
+    "stream_max_numel": (
+        "PCIE_ALLREDUCE_STREAM_MAX_NUMEL",
+        lambda e: _number(
+            e, "PCIE_ALLREDUCE_STREAM_MAX_NUMEL", int, policy.check_stream_max_numel, None
+        ),
     ),
     "table": ("PCIE_ALLREDUCE_TABLE", lambda e: e.get("PCIE_ALLREDUCE_TABLE") or None),
     "timeout_s": (

@@ -46,6 +46,7 @@ class Lifecycle:
         initial_generation: int = 0,
         enabled: bool = True,
         transport: str | None = None,
+        stream_max_numel: int | None = None,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -65,8 +66,12 @@ class Lifecycle:
             initial_generation=initial_generation,
             enabled=enabled,
             transport=transport,
+            stream_max_numel=stream_max_numel,
         )
         self.max_numel, self.timeout_s = int(local.opts.max_numel), float(local.opts.timeout_s)
+        # All-reduce and fused calls up to this many elements run on the kernels (streamed
+        # through the workspace above max_numel); agreed by every rank.
+        self.stream_max_numel = int(local.opts.stream_max_numel)
         built = construction.build(
             self.group, cpu_group, self.device, local, topology=topology, islands=islands
         )

@@ -290,6 +290,35 @@ def check_max_numel(value: Any, source: str, shown: Any = None) -> int:
     return number
 
 
+# Streaming past the workspace (all-reduce and fused calls as rounds through it): on by default
+# for CPU tensors, whose fallback (gloo) it beats at every size measured (docs/benchmarks.md); off
+# for CUDA tensors until a tune on a GPU measures streamed sizes against NCCL's ring.
+STREAM_DEFAULT_CPU = 1 << 31
+STREAM_LIMIT = 1 << 40
+
+
+def check_stream_max_numel(value: Any, source: str, shown: Any = None) -> int:
+    """``value`` when it is a whole number of elements in 0..STREAM_LIMIT (0: no streaming), else
+    a ValueError naming ``source`` and what it gave (``shown``: the text, for an env flag)."""
+    number = whole(source, value) if shown is None else value
+    if not 0 <= number <= STREAM_LIMIT:
+        raise ValueError(
+            f"{source} must be a whole number of elements in 0..{STREAM_LIMIT} (0: messages "
+            f"above the workspace decline too_large), got {value if shown is None else shown!r}"
+        )
+    return number
+
+
+def stream_cap(explicit: Any, from_env: int | None, device_type: str) -> int:
+    """Explicit stream_max_numel > PCIE_ALLREDUCE_STREAM_MAX_NUMEL > the default for the device
+    (STREAM_DEFAULT_CPU on CPU tensors, 0 on CUDA tensors)."""
+    if explicit is not None:
+        return check_stream_max_numel(explicit, "stream_max_numel")
+    if from_env is not None:
+        return from_env
+    return STREAM_DEFAULT_CPU if device_type == "cpu" else 0
+
+
 # The longest wait that every clock on the way holds: the store's timedelta, the kernels'
 # nanosecond deadline and the bootstrap's millisecond waits (1e10 s overflowed one of them).
 MAX_TIMEOUT_S = 1_000_000_000

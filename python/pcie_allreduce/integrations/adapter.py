@@ -28,6 +28,7 @@ import collections
 import logging
 from typing import Any
 
+from .. import env as env_mod
 from .. import policy
 from . import common
 
@@ -90,8 +91,17 @@ class EngineSlot:
             group = cpu_group
         self.transport = policy.CUDA_IPC if cuda else policy.HOST_SHM
         table = common.deterministic_table(self.transport) if deterministic else None
+        # An engine's slot streams past the workspace only when the operator says so
+        # (PCIE_ALLREDUCE_STREAM_MAX_NUMEL), on every device: its larger messages stay on the
+        # engine's own path, as on GPUs, where streamed sizes are not yet measured against NCCL.
+        streamed = env_mod.read_env().stream_max_numel or 0
         self.ar = PcieAllReduce(
-            group, device if cuda else "cpu", max_numel=max_numel, table=table, cpu_group=cpu_group
+            group,
+            device if cuda else "cpu",
+            max_numel=max_numel,
+            table=table,
+            cpu_group=cpu_group,
+            stream_max_numel=streamed,
         )
         return self.ar
 

@@ -372,7 +372,9 @@ class SglangPcieAllReduce(EngineSlot):
             return False
         if not batch_size > 0:
             return False
-        return self.hidden is None or batch_size * self.hidden <= self.max_numel
+        # The communicator admits what its workspace holds and what it streams through it.
+        limit = max(self.max_numel, self.ar.stream_max_numel if self.ar is not None else 0)
+        return self.hidden is None or batch_size * self.hidden <= limit
 
     # ------------------------------------------------------------------ reduce-scatter, all-gather
     def reduce_scatter_into(self, output: torch.Tensor, inp: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import policy
+from ..testing import DTYPES
 
 # What runs on GPUs: auto (cuda_ipc, moving to cuda_host when the P2P check fails), cuda_ipc
 # (declines no_p2p instead), cuda_host (host memory even where P2P works).
@@ -42,8 +43,16 @@ class Rank:
 
 
 def set_up(rank: int, world: int, port: int, opts: dict[str, Any], max_numel: int) -> Rank:
-    """Joins the process group and builds the communicator for `max_numel` elements."""
+    """Joins the process group and builds the communicator for `max_numel` elements: its
+    workspace, or with ``opts["workspace"]`` (bytes) a smaller one that the larger messages
+    stream through."""
     torch.set_num_threads(1)
+    stream = None
+    if opts.get("workspace"):
+        elem = torch.tensor([], dtype=DTYPES[opts["dtype"]]).element_size()
+        small = max(8, opts["workspace"] // elem // 8 * 8)
+        if small < max_numel:
+            stream, max_numel = max_numel, small
     cuda = opts["transport"] in GPU_TRANSPORTS
     if cuda:
         torch.cuda.set_device(rank)
@@ -67,6 +76,7 @@ def set_up(rank: int, world: int, port: int, opts: dict[str, Any], max_numel: in
         table=opts["table"],
         cpu_group=cpu_group,
         transport=forced,
+        stream_max_numel=stream,
     )
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     return Rank(world, group, cpu_group, device, ar, sync)

@@ -27,13 +27,14 @@ namespace pcie_ar::comm::test {
 
 class CommGroup {
  public:
-  CommGroup(int world, const std::string& table, int64_t max_numel,
-            std::vector<int> island_of = {}) {
+  CommGroup(int world, const std::string& table, int64_t max_numel, std::vector<int> island_of = {},
+            int64_t stream_max_numel = 0) {
     for (int r = 0; r < world; ++r) {
       Options o;
       o.rank = r;
       o.world = world;
       o.max_numel = max_numel;
+      o.stream_max_numel = stream_max_numel;
       o.table_text = table;
       o.table_source = "test table";
       o.island_of = island_of;

@@ -30,7 +30,7 @@ def _core(rank: int, world: int) -> dict[str, Any]:
     numel = world * ROWS * HIDDEN
     slot = Slot(rank, world)
     out: dict[str, Any] = {"unbuilt": slot.run("all_reduce", torch.ones(8))}
-    slot.ar = PcieAllReduce(None, "cpu", max_numel=numel, timeout_s=10)
+    slot.ar = PcieAllReduce(None, "cpu", max_numel=numel, timeout_s=10, stream_max_numel=0)
     x = rank_input(rank, numel, torch.float32, seed=31).view(world * ROWS, HIDDEN)
     total = slot.ar.all_reduce(x)
     mine = total[rank * ROWS : (rank + 1) * ROWS]

@@ -126,7 +126,7 @@ def _declines(rank, world):
 
     dtype = torch.bfloat16
     reasons = {}
-    with PcieAllReduce(None, "cpu", max_numel=8192, dtypes=("bf16",)) as ar:
+    with PcieAllReduce(None, "cpu", max_numel=8192, dtypes=("bf16",), stream_max_numel=0) as ar:
         cases = {
             # A chunk of 1 x 12 bf16 is 24 bytes: not whole 16-byte vectors.
             "chunk": (world * 1, 12, dtype),

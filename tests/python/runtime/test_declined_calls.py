@@ -70,7 +70,16 @@ def _interleaved(rank, world, iterations, islands):
     from pcie_allreduce import PcieAllReduce
 
     os.sched_setaffinity(0, {0})  # every rank on one core: the worst interleaving
-    ar = PcieAllReduce(None, "cpu", max_numel=MAX_NUMEL, table=TABLE, timeout_s=20, islands=islands)
+    # stream_max_numel=0: a message above the workspace declines too_large instead of streaming.
+    ar = PcieAllReduce(
+        None,
+        "cpu",
+        max_numel=MAX_NUMEL,
+        table=TABLE,
+        timeout_s=20,
+        islands=islands,
+        stream_max_numel=0,
+    )
     wrong = []
     declined = 0
     for i in range(iterations):

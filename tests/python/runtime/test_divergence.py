@@ -17,7 +17,7 @@ TIMEOUT_S = 2.0
 def _one_rank_declines_then_all_call_again(rank, world):
     from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
 
-    ar = PcieAllReduce(None, "cpu", max_numel=1024, timeout_s=TIMEOUT_S)
+    ar = PcieAllReduce(None, "cpu", max_numel=1024, timeout_s=TIMEOUT_S, stream_max_numel=0)
     start = time.monotonic()
     try:
         # Rank 0's tensor is too large for the workspace: the group's own all-reduce, which its

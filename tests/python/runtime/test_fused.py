@@ -99,8 +99,9 @@ def _batch_invariant(rank, world):
     hidden, most = 4096, 256
     dtype = torch.bfloat16
     # The seed table decides every size (its tactics change with the size on the way to 256
-    # rows), and the workspace holds 200 rows: larger batches take the unfused path.
-    with PcieAllReduce(None, "cpu", max_numel=200 * hidden) as ar:
+    # rows), and the workspace holds 200 rows: larger batches take the unfused path (streaming
+    # off; test_streaming.py streams them).
+    with PcieAllReduce(None, "cpu", max_numel=200 * hidden, stream_max_numel=0) as ar:
         x = rank_input(rank, most * hidden, dtype, seed=9).view(most, hidden)
         residual = replicated((most, hidden), dtype, 21)
         weight = replicated((hidden,), dtype, 22)
@@ -130,7 +131,9 @@ def _declines(rank, world):
 
     dtype = torch.bfloat16
     out = {}
-    with PcieAllReduce(None, "cpu", max_numel=4 * 4096, dtypes=("bf16", "fp32")) as ar:
+    with PcieAllReduce(
+        None, "cpu", max_numel=4 * 4096, dtypes=("bf16", "fp32"), stream_max_numel=0
+    ) as ar:
         cases = {
             # 4100 bf16 elements are 8200 bytes: not whole 16-byte vectors.
             "hidden": (2, 4100, dtype, dtype),

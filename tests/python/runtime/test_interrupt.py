@@ -19,7 +19,7 @@ from conftest import run_ranks
 def _interrupted_while_the_peer_stays_away(rank, world, timeout_s, in_place, declined=False):
     from pcie_allreduce import PcieAllReduce, PcieAllReduceTimeout
 
-    ar = PcieAllReduce(None, "cpu", max_numel=1024, timeout_s=timeout_s)
+    ar = PcieAllReduce(None, "cpu", max_numel=1024, timeout_s=timeout_s, stream_max_numel=0)
     out = {}
     if rank == 0:
         # Python's own Ctrl-C handler, as an operator's server has it: a process started in the

@@ -107,7 +107,9 @@ def _trial(rank, world):
     from pcie_allreduce import PcieAllReduce
 
     x, piece, residual, weight = _tensors(rank, world)
-    with PcieAllReduce(None, "cpu", max_numel=x.numel(), table=TABLE_A, timeout_s=10) as ar:
+    with PcieAllReduce(
+        None, "cpu", max_numel=x.numel(), table=TABLE_A, timeout_s=10, stream_max_numel=0
+    ) as ar:
         _every_op_and_decline(ar, rank, world, x, piece, residual, weight)
         ar.all_reduce(x.t())  # a staged call
         before, labels = ar.stats(), _labels(ar, x, piece)

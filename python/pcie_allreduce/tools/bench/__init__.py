@@ -84,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "table": args.table,
         "graph": args.graph,
+        "workspace": args.workspace,
     }
     if args.collective != "all_reduce":
         opts["collective"], opts["rounds"] = args.collective, 5
