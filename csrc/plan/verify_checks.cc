@@ -14,6 +14,12 @@ int Simulation::output_expr(int r, int c) const {
   return it == regions_.end() || it->second.writer < 0 ? -1 : it->second.expr;
 }
 
+// "rank r output chunk c = <expr>", prefixed with the round when there are several.
+std::string Simulation::output_text(int r, int c, int expr) const {
+  return in_round(round_) + "rank " + std::to_string(r) + " output chunk " + std::to_string(c) +
+         " = " + exprs_.text(expr);
+}
+
 // `expr`, which `what` names, sums every rank's input of this round exactly once, as the
 // group's tree does (the same order and rounding points whatever the tactic: every tactic of
 // a group agrees), and nothing of another round.
@@ -51,8 +57,7 @@ void Simulation::check_collective_outputs() {
     for (int c = 0; c < s().num_chunks; ++c) {
       if (scatter && c != r) continue;
       const int expr = output_expr(r, c);
-      const std::string what = in_round(round_) + "rank " + std::to_string(r) + " output chunk " +
-                               std::to_string(c) + " = " + exprs_.text(expr);
+      const std::string what = output_text(r, c, expr);
       if (expr < 0) {
         error(what + ": never written");
         continue;
@@ -74,8 +79,7 @@ void Simulation::check_outputs() {
     int reference = -2;
     for (int r = 0; r < world_; ++r) {
       const int expr = output_expr(r, c);
-      const std::string what = in_round(round_) + "rank " + std::to_string(r) + " output chunk " +
-                               std::to_string(c) + " = " + exprs_.text(expr);
+      const std::string what = output_text(r, c, expr);
       if (expr < 0) {
         error(what + ": never written");
         continue;

@@ -162,6 +162,7 @@ class Simulation {
 
   // The end-of-round and end-of-run checks (verify_checks.cc).
   int output_expr(int r, int c) const;
+  std::string output_text(int r, int c, int expr) const;
   void check_whole_sum(const std::string& what, int expr);
   void check_collective_outputs();
   void check_outputs();
