@@ -13,6 +13,7 @@
 #include <string>
 
 #include "transport/executors/host/epilogue.h"
+#include "transport/executors/host/float_env.h"
 #include "transport/executors/host/reduce.h"
 
 namespace pcie_ar::transport {
@@ -495,6 +496,7 @@ int HostExecutor::install(const plan::Program& program) {
 
 void HostExecutor::run(const std::vector<uint8_t*>& bases, const plan::Layout& layout, int rank,
                        const Call& call) {
+  const DefaultFloatEnv float_env;  // the GPU's arithmetic, whatever mode the caller set
   const ReduceFn reduce = reducer_for(call.dtype);
   const WaitBudget budget(timeout_s_, interrupt_check_ ? &interrupt_check_ : nullptr);
   const StepHook* hook = step_hook_ ? &step_hook_ : nullptr;
