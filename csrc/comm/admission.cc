@@ -43,10 +43,11 @@ Decline admit_message(Op op, const at::Tensor& inp, const Gate& gate, Admission&
       (a.message / shares * plan::dtype_bytes(a.dtype)) % plan::kVectorBytes != 0) {
     return Decline::kNot16ByteMultiple;
   }
-  // Above the workspace, an all-reduce (fused or not) streams through it in rounds up to the
-  // operator's cap; the reduce-scatter and all-gather do not stream.
-  const bool streams = op.collective == plan::Collective::kAllReduce;
-  if (a.message > (streams ? std::max(o.max_numel, o.stream_max_numel) : o.max_numel)) {
+  // Above the workspace, every operation streams through it in rounds up to the operator's cap;
+  // a reduce-scatter's or all-gather's round takes at least one vector of every rank's chunk.
+  if (a.message > std::max(o.max_numel, o.stream_max_numel)) return Decline::kTooLarge;
+  if (a.message > o.max_numel &&
+      o.max_numel / shares * plan::dtype_bytes(a.dtype) < plan::kVectorBytes) {
     return Decline::kTooLarge;
   }
   if (!gate.connected) return Decline::kDisabled;

@@ -3,7 +3,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <pthread.h>
 #include <unistd.h>
 
@@ -13,20 +12,13 @@
 #include <stdexcept>
 
 #include "comm/fallback.h"
+#include "comm/staged.h"
 #include "plan/epilogue.h"
 #include "plan/verify.h"
 #include "transport/workspace.h"
 
 namespace pcie_ar::comm {
 namespace {
-
-// The stream a GPU transport enqueues on: the caller's current stream, as torch sees it.
-void* current_stream(int device) {
-  if (device < 0) return nullptr;
-  const c10::Device d(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
-  const auto* impl = c10::impl::getDeviceGuardImpl(d.type());
-  return impl->getStreamNativeHandle(impl->getStream(d));
-}
 
 // Counts the forks this process has come out of as the child: a communicator remembers the count
 // it was made under, so a child's use is told apart with one relaxed load per call (no getpid()
@@ -183,27 +175,6 @@ std::string Communicator::chosen_tactic(Op op, const at::Tensor& inp, const at::
   return plan.fallback ? std::string(fallback_label(op)) : plan::tactic_label(plan.first().tactic);
 }
 
-Communicator::CallPlan Communicator::plan_call(Op op, const Admission& a, const at::Tensor& inp) {
-  CallPlan plan;
-  if (a.message <= options_.max_numel) {
-    plan.whole = &decisions_.decide(op, a.dtype, a.bytes());
-    plan.fallback = plan.whole->fallback;
-    return plan;
-  }
-  // Streamed (admission let only all-reduces through): whole vectors, or the fused call's whole
-  // rows, each round decided by its own size. The rounds have at most two sizes.
-  const int64_t elem = plan::dtype_bytes(a.dtype);
-  const int64_t unit = has_epilogue(op) ? inp.size(-1) : plan::kVectorBytes / elem;
-  plan.rounds = plan::split_rounds(a.message, options_.max_numel, unit);
-  for (const plan::Round& round : plan.rounds) {
-    const Decision& d = decisions_.decide(op, a.dtype, round.numel * elem);
-    plan.decisions.push_back(&d);
-    plan.fallback |= d.fallback;
-  }
-  plan.fallback |= plan.rounds.empty();
-  return plan;
-}
-
 int Communicator::prepare() {
   const CallGuard guard(*this, busy_);
   return enabled() ? decisions_.prepare(options_.dtypes) : decisions_.installed();
@@ -217,42 +188,6 @@ void Communicator::set_table(const std::string& text, const std::string& source)
 }
 
 // ------------------------------------------------------------------ the call path
-
-// The tensors the executors (or the fallback) address: each of the call's own, or a contiguous
-// copy where its layout would not do. A tensor's own layout never changes the path.
-struct Communicator::Staged {
-  at::Tensor inp, out, residual, weight, residual_out;
-  bool any = false;
-
-  Staged(Op op, const OpArgs& a) {
-    const auto input = [this](const at::Tensor& t) {
-      if (executor_ready(t)) return t;
-      any = true;
-      return t.clone(at::MemoryFormat::Contiguous);
-    };
-    const auto output = [this](const at::Tensor& t, const at::Tensor& in_place_of,
-                               const at::Tensor& staged_input) {
-      if (t.is_same(in_place_of)) return staged_input;
-      if (executor_ready(t)) return t;
-      any = true;
-      return at::empty(t.sizes(), t.options());
-    };
-    inp = input(a.inp);
-    out = output(a.out, a.inp, inp);
-    if (has_epilogue(op)) {
-      residual = input(*a.residual);
-      weight = input(*a.weight);
-      residual_out = output(*a.residual_out, *a.residual, residual);
-    }
-  }
-
-  void copy_back(const OpArgs& a) const {
-    if (!out.is_same(a.out)) a.out.copy_(out);
-    if (residual_out.defined() && !residual_out.is_same(*a.residual_out)) {
-      a.residual_out->copy_(residual_out);
-    }
-  }
-};
 
 Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
   const CallGuard guard(*this, busy_);
@@ -305,64 +240,6 @@ Decline Communicator::execute(Op op, const OpArgs& args, OnDecline on_decline) {
   return decline;
 }
 
-// The kernels address a one-chunk tensor (the reduce-scatter's output, the all-gather's input)
-// from chunk `rank` of the message: its base goes in `rank` chunks before it. The programs touch
-// only chunk `rank` of it (plan::verify proves it), so no byte outside the tensor is read or
-// written; the address is formed as an integer, never dereferenced below the tensor.
-void Communicator::run_kernels(Op op, const CallPlan& plan, const Admission& admission,
-                               const Staged& s, double eps) {
-  if (plan.whole != nullptr) {
-    run_round(op, *plan.whole, plan::Round{0, admission.message}, -1, admission, s, eps);
-  } else {
-    for (size_t k = 0; k < plan.rounds.size(); ++k) {
-      run_round(op, *plan.decisions[k], plan.rounds[k], static_cast<int>(k), admission, s, eps);
-    }
-  }
-  // One call, counted under the tactic of its first round.
-  const Decision& decision = plan.first();
-  ++*decision.calls;
-  if (decision.contained_calls != nullptr) ++*decision.contained_calls;
-}
-
-void Communicator::run_round(Op op, const Decision& decision, plan::Round round, int index,
-                             const Admission& admission, const Staged& s, double eps) {
-  const int64_t elem = plan::dtype_bytes(admission.dtype);
-  const auto at = [&](const at::Tensor& t) {
-    return static_cast<void*>(static_cast<uint8_t*>(t.data_ptr()) + round.offset * elem);
-  };
-  const auto chunk_base = [&](const at::Tensor& t) {
-    const auto below = static_cast<uintptr_t>(options_.rank * (admission.bytes() / options_.world));
-    return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(t.data_ptr()) - below);
-  };
-  transport::Call call;
-  call.program = decision.program->id;
-  call.dtype = admission.dtype;
-  call.blocks = decision.tactic.blocks;
-  call.threads = decision.tactic.threads;
-  call.input = input_is_chunk(op) ? chunk_base(s.inp) : at(s.inp);
-  call.output = output_is_chunk(op) ? chunk_base(s.out) : at(s.out);
-  call.numel = round.numel;
-  call.signature = decision.signature;
-  call.stream = current_stream(workspace_->device());
-  if (has_epilogue(op)) {
-    call.epilogue.residual = at(s.residual);
-    call.epilogue.residual_out = at(s.residual_out);
-    call.epilogue.weight = s.weight.data_ptr();
-    call.epilogue.hidden = s.inp.size(-1);
-    call.epilogue.eps = static_cast<float>(eps);
-    // Ranks that disagree on eps or the row length fail at once, naming each other.
-    call.signature =
-        plan::epilogue_signature(decision.signature, call.epilogue.eps, call.epilogue.hidden);
-  }
-  if (index >= 0) call.signature = plan::round_signature(call.signature, admission.message, index);
-  try {
-    workspace_->run(call);
-  } catch (const transport::TransportFailure& e) {
-    transport_failed(e);
-  }
-  counters_.sent(decision.program->sent_fraction, round.numel * elem);
-}
-
 void Communicator::run_fallback(Op op, const Staged& s, double eps) {
   if (has_epilogue(op)) {
     // The all-reduce as this communicator does it (kernels or the group's; an empty one meets no
@@ -407,24 +284,6 @@ void Communicator::note_decline(Op op, Decline decline, const at::Tensor& t) {
                : "") +
           ") and uses the " + std::string(fallback_label(op)) + (has_epilogue(op) ? " path" : "") +
           "; later declines for this reason are only counted in " + counted_in(op));
-}
-
-// Every call takes a generation on every rank whatever its path, so a peer's data of a call this
-// rank sent to the fallback can never pass for a later call's (plan::skip_program). Costs a
-// kernel launch on a GPU (a few microseconds beside the group's own all-reduce), a few stores on
-// the host.
-void Communicator::skip_call() {
-  if (!connected_ || !enabled()) return;
-  transport::Call call;
-  call.program = skip_program_;
-  call.blocks = 1;
-  call.threads = 32;
-  call.stream = current_stream(workspace_->device());
-  try {
-    workspace_->run(call);
-  } catch (const transport::TransportFailure& e) {
-    transport_failed(e);
-  }
 }
 
 // ------------------------------------------------------------------ failures

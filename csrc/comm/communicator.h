@@ -152,6 +152,7 @@ class Communicator {
     const Decision* whole = nullptr;         // the message in one call, or
     std::vector<plan::Round> rounds;         // its rounds, each with
     std::vector<const Decision*> decisions;  // its decision
+    int64_t chunk = 0;  // a streamed collective's chunk length: its rounds are in each chunk's
     bool fallback = false;
     const Decision& first() const { return whole != nullptr ? *whole : *decisions.front(); }
   };
@@ -159,8 +160,8 @@ class Communicator {
   void run_kernels(Op op, const CallPlan& plan, const Admission& admission, const Staged& s,
                    double eps);
   // One call of the kernels over `round` of the message: the whole of it (index -1), or round
-  // `index` of a streamed one.
-  void run_round(Op op, const Decision& decision, plan::Round round, int index,
+  // `index` of a streamed one (of each chunk's elements where `chunk`, CallPlan::chunk, is not 0).
+  void run_round(Op op, const Decision& decision, plan::Round round, int index, int64_t chunk,
                  const Admission& admission, const Staged& s, double eps);
   void run_fallback(Op op, const Staged& s, double eps);
   // The group's own collective did not complete (timed out, or interrupted): the communicator is

@@ -120,4 +120,13 @@ PCIE_AR_HD VecRange slice_range(int64_t num_vecs, int num_chunks, int chunk, int
   return VecRange{c0 + len * block / num_blocks, c0 + len * (block + 1) / num_blocks};
 }
 
+// Vectors to add to message vector v of chunk `chunk` to address it in a tensor whose chunks lie
+// `stride_vecs` vectors apart (transport::Call::chunk_stride) instead of where the message's own
+// chunking puts them (slice_range with one block). 0: the message's own chunking, no shift. A
+// nonzero stride is used only where every chunk holds num_vecs / num_chunks vectors exactly (a
+// streamed reduce-scatter's or all-gather's round), so chunk c starts at c * num_vecs / num_chunks.
+PCIE_AR_HD int64_t chunk_shift(int64_t num_vecs, int num_chunks, int chunk, int64_t stride_vecs) {
+  return stride_vecs == 0 ? 0 : chunk * (stride_vecs - num_vecs / num_chunks);
+}
+
 }  // namespace pcie_ar::plan

@@ -63,6 +63,13 @@ struct Call {
   const void* input = nullptr;
   void* output = nullptr;
   int64_t numel = 0;
+  // A streamed reduce-scatter's or all-gather's round (comm's plan_call): chunk c of this call's
+  // message lies chunk_stride * c elements from `input` / `output` (the one-chunk tensor's base
+  // shifted down by rank * chunk_stride, as comm forms it), not numel * c / num_chunks (each of
+  // its chunks is one slice of the whole message's chunk c). 0: the message's own chunking. A
+  // nonzero stride is a whole number of vectors, at least numel / num_chunks, and numel then
+  // divides into num_chunks whole-vector chunks (plan::chunk_shift).
+  int64_t chunk_stride = 0;
   uint32_t signature = 0;  // plan::call_signature(dtype, tactic): travels with every flag
   void* stream = nullptr;  // cudaStream_t on GPU transports; unused on the host
   // A program that ends with the fused epilogue (plan::with_epilogue) reads these: numel is a

@@ -59,7 +59,8 @@ class PcieAllReduce(Lifecycle):
         max_numel: workspace capacity in elements; fixed for the communicator's life. Without
             it: PCIE_ALLREDUCE_MAX_NUMEL, else ``max_rows`` x ``hidden``, else a guess of 64
             rows (``policy.size_workspace``).
-        stream_max_numel: all-reduce and fused calls larger than the workspace, up to this many
+        stream_max_numel: calls larger than the workspace (all-reduce, fused, reduce-scatter,
+            all-gather; the collectives' message is the whole tensor), up to this many
             elements, run on the kernels as rounds through it (every element the same tree, so a
             row's bits never depend on its batch); larger ones decline ``too_large``. Without
             it: PCIE_ALLREDUCE_STREAM_MAX_NUMEL, else 2^31 on CPU tensors and 0 (off) on CUDA

@@ -69,8 +69,8 @@ class Lifecycle:
             stream_max_numel=stream_max_numel,
         )
         self.max_numel, self.timeout_s = int(local.opts.max_numel), float(local.opts.timeout_s)
-        # All-reduce and fused calls up to this many elements run on the kernels (streamed
-        # through the workspace above max_numel); agreed by every rank.
+        # Calls up to this many elements (every operation's message) run on the kernels
+        # (streamed through the workspace above max_numel); agreed by every rank.
         self.stream_max_numel = int(local.opts.stream_max_numel)
         built = construction.build(
             self.group, cpu_group, self.device, local, topology=topology, islands=islands
@@ -180,8 +180,10 @@ class Lifecycle:
         budget_s: float = 120.0,
         force: bool = False,
         progress: bool | None = None,
+        ops: Sequence[str] | None = None,
     ) -> dict[str, Any]:
-        """Measures every runnable tactic and the fallback on this host and writes the cache
+        """Measures every runnable tactic and the fallback of every op (``ops``: all_reduce,
+        reduce_scatter, all_gather; all by default) on this host and writes the cache
         (collective). Without ``force`` a valid cache is loaded instead and nothing is
         measured. See :func:`pcie_allreduce.tuning.tuner.tune` for the report."""
         if getattr(self, "_destroyed", True):
@@ -195,6 +197,7 @@ class Lifecycle:
             budget_s=budget_s,
             force=force,
             progress=progress,
+            ops=ops,
         )
 
     def gather(self, obj: Any, step: str) -> list[Any]:

@@ -290,7 +290,7 @@ def check_max_numel(value: Any, source: str, shown: Any = None) -> int:
     return number
 
 
-# Streaming past the workspace (all-reduce and fused calls as rounds through it): on by default
+# Streaming past the workspace (every operation, as rounds through it): on by default
 # for CPU tensors, whose fallback (gloo) it beats at every size measured (docs/benchmarks.md); off
 # for CUDA tensors until a tune on a GPU measures streamed sizes against NCCL's ring.
 STREAM_DEFAULT_CPU = 1 << 31

@@ -22,20 +22,20 @@ def body(rank: int, world: int) -> list[str]:
     lines = []
     with PcieAllReduce(None, dev, max_numel=1 << 15) as ar:
         report = ar.tune(
-            dtypes=["bf16"], max_bytes=64 << 10, budget_s=60, force=True, progress=False
+            dtypes=["bf16"], max_bytes=64 << 10, budget_s=90, force=True, progress=False
         )
         lines.append(
             f"measured {report['measured']} pairs in {report['seconds']:.1f} s -> {report['path']}"
         )
         for c in report["choices"]:
             lines.append(
-                f"  {c['bytes']:>6} B  incumbent {c['incumbent']:<36} "
+                f"  {c['op']:<14} {c['bytes']:>6} B  incumbent {c['incumbent']:<36} "
                 f"{c['incumbent_us']:7.2f} us  chosen {c['winner']:<36} "
                 f"{c['time_us']:7.2f} us  fallback {c['fallback_us']:8.2f} us  "
                 f"noise {c['noise_pct']:.2f}%"
             )
         for bad in report["excluded"]:
-            lines.append(f"FAIL wrong sum: {bad}")
+            lines.append(f"FAIL wrong result: {bad}")
     with PcieAllReduce(None, dev, max_numel=1 << 15) as again:
         source = again.stats()["table_source"]
         second = again.tune(dtypes=["bf16"], max_bytes=64 << 10, progress=False)

@@ -54,14 +54,14 @@ def _tune_problem(args: argparse.Namespace) -> str | None:
 
 def _print_tune(report: dict[str, Any]) -> None:
     print(
-        f"# {'dtype':>5} {'bytes':>9} {'bucket':>19}  {'incumbent':<36} {'us':>8}  "
+        f"# {'op':<14} {'dtype':>5} {'bytes':>9} {'bucket':>19}  {'incumbent':<36} {'us':>8}  "
         f"{'chosen':<36} {'us':>8} {'fallback':>9} {'noise%':>6} {'rounds':>6}"
     )
     for c in report["choices"]:
         hi = "*" if c["max_bytes"] < 0 else str(c["max_bytes"])
         mark = "*" if c["changed"] else " "
         print(
-            f"  {c['dtype']:>5} {c['bytes']:>9} {c['min_bytes']:>9}..{hi:<8}  "
+            f"  {c['op']:<14} {c['dtype']:>5} {c['bytes']:>9} {c['min_bytes']:>9}..{hi:<8}  "
             f"{c['incumbent']:<36} {c['incumbent_us']:>8.2f} {mark}{c['winner']:<35} "
             f"{c['time_us']:>8.2f} {c['fallback_us']:>9.2f} {c['noise_pct']:>6.2f} "
             f"{c['rounds']:>6}"
@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"# wrote {report['path']}")
     for bad in report["excluded"]:
         print(
-            f"# excluded (wrong sum on ranks {bad['ranks']}): {bad['tactic']} at "
+            f"# excluded (wrong result on ranks {bad['ranks']}): {bad['op']} {bad['tactic']} at "
             f"{bad['bytes']} B {bad['dtype']}",
             file=sys.stderr,
         )

@@ -75,12 +75,16 @@ TEST(CommunicatorStreaming, EveryRowOfAStreamedBatchHasTheBitsOfTheRowAlone) {
   }
 }
 
-TEST(CommunicatorStreaming, AStreamedCallAboveItsCapOrAnotherCollectiveDeclinesTooLarge) {
+TEST(CommunicatorStreaming, EveryOperationStreamsUpToItsCapAndDeclinesTooLargeAboveIt) {
   CommGroup group(2, kFlatTable, kRows * kHidden, {}, 4 * kRows * kHidden);
   Communicator& c = group[0];
   EXPECT_EQ(c.decline_reason(kAllReduce, batch(0, 4 * kRows)), Decline::kNone);
   EXPECT_EQ(c.decline_reason(kAllReduce, batch(0, 4 * kRows + 1)), Decline::kTooLarge);
-  EXPECT_EQ(c.decline_reason(kReduceScatter, batch(0, 2 * kRows)), Decline::kTooLarge);
+  // The collectives' message is the whole tensor (the all-gather's: its output).
+  EXPECT_EQ(c.decline_reason(kReduceScatter, batch(0, 4 * kRows)), Decline::kNone);
+  EXPECT_EQ(c.decline_reason(kReduceScatter, batch(0, 4 * kRows + 2)), Decline::kTooLarge);
+  EXPECT_EQ(c.decline_reason(kAllGather, batch(0, 2 * kRows)), Decline::kNone);
+  EXPECT_EQ(c.decline_reason(kAllGather, batch(0, 2 * kRows + 1)), Decline::kTooLarge);
   const at::Tensor wide = batch(0, 1).view({1, kHidden}).repeat({1, kRows + 1});  // a row > 8 rows
   const at::Tensor wide_weight = at::ones({wide.size(1)}, at::kBFloat16);
   EXPECT_EQ(c.decline_reason(kAllReduceAddRmsNorm, at::cat({wide, wide}), &wide_weight),

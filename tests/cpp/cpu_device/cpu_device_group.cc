@@ -65,13 +65,11 @@ int CpuDeviceGroup::add_skip() {
   return static_cast<int>(schedules_.size()) - 1;
 }
 
-cpu_device::LaunchStatus CpuDeviceGroup::launch(int schedule_id, const plan::Tactic& tactic,
-                                                plan::DType dtype,
-                                                const std::vector<const void*>& inputs,
-                                                const std::vector<void*>& outputs, int64_t numel,
-                                                const cpu_device::DeviceOptions& options,
-                                                int first_rank, int count, uint32_t signature,
-                                                const std::vector<plan::EpilogueArgs>* epilogue) {
+cpu_device::LaunchStatus CpuDeviceGroup::launch(
+    int schedule_id, const plan::Tactic& tactic, plan::DType dtype,
+    const std::vector<const void*>& inputs, const std::vector<void*>& outputs, int64_t numel,
+    const cpu_device::DeviceOptions& options, int first_rank, int count, uint32_t signature,
+    const std::vector<plan::EpilogueArgs>* epilogue, int64_t chunk_stride) {
   const Uploaded& up = schedules_.at(schedule_id);
   if (count < 0) count = layout_.world - first_rank;
   if (static_cast<int>(inputs.size()) != layout_.world ||
@@ -96,7 +94,7 @@ cpu_device::LaunchStatus CpuDeviceGroup::launch(int schedule_id, const plan::Tac
   if (signature == 0) signature = plan::call_signature(dtype, tactic);
   LaunchParams p =
       make_launch_params(view, programs, dtype, tactic.blocks, tactic.threads, inputs.data(),
-                         outputs.data(), numel, signature, first_rank, count);
+                         outputs.data(), numel, signature, first_rank, count, chunk_stride);
   for (int r = first_rank; epilogue != nullptr && r < first_rank + count; ++r) {
     set_epilogue(p, r, epilogue->at(r));
   }

@@ -47,12 +47,15 @@ class CpuDeviceGroup {
   // One launch of ranks [first_rank, first_rank + count) (count -1: the rest). inputs/outputs
   // hold one pointer per rank of the world. signature 0: plan::call_signature(dtype, tactic).
   // `epilogue`, one per rank of the world, for a schedule with the fused epilogue.
+  // `chunk_stride`: transport::Call::chunk_stride (elements; 0: the message's own chunking), for
+  // a streamed collective's round.
   cpu_device::LaunchStatus launch(int schedule_id, const plan::Tactic& tactic, plan::DType dtype,
                                   const std::vector<const void*>& inputs,
                                   const std::vector<void*>& outputs, int64_t numel,
                                   const cpu_device::DeviceOptions& options, int first_rank = 0,
                                   int count = -1, uint32_t signature = 0,
-                                  const std::vector<plan::EpilogueArgs>* epilogue = nullptr);
+                                  const std::vector<plan::EpilogueArgs>* epilogue = nullptr,
+                                  int64_t chunk_stride = 0);
 
   // The record a failed launch left (kind != kNone), or nullopt. clear_failure() forgets it.
   std::optional<plan::Diagnostic> failure() const;

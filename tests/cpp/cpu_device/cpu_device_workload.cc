@@ -2,6 +2,7 @@
 #include "cpu_device_workload.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <iterator>
 
@@ -169,6 +170,34 @@ float canonical_sum(DType dtype, const std::vector<float>& by_rank,
   const int split = static_cast<int>(first.size());
   first.insert(first.end(), second.begin(), second.end());
   return split_sum(dtype, first, split);
+}
+
+float wide_value(uint64_t seed, int rank, int64_t e, plan::DType dtype) {
+  const uint64_t h =
+      host_test::mix(seed ^ host_test::mix(static_cast<uint64_t>(rank) + 1) ^
+                     host_test::mix(static_cast<uint64_t>(e) * 0x9e3779b97f4a7c15ull));
+  const bool negative = (h >> 40) & 1;
+  if (((h >> 44) & 15) == 0) return negative ? -0.0f : 0.0f;
+  const int lo = -10;
+  const int hi = dtype == plan::DType::kFP16 ? 11 : 14;
+  const int exponent = lo + static_cast<int>((h >> 20) % static_cast<uint64_t>(hi - lo + 1));
+  const double mantissa = 1.0 + static_cast<double>(h & 0xfffff) / 1048576.0;
+  const double v = (negative ? -1.0 : 1.0) * std::ldexp(mantissa, exponent);
+  return static_cast<float>(host_test::round_to(dtype, v));
+}
+
+RankValues wide_values(int world, int64_t numel, plan::DType dtype, uint64_t seed) {
+  const int elem = plan::dtype_bytes(dtype);
+  RankValues in;
+  in.values.assign(world, std::vector<float>(numel));
+  in.bytes.assign(world, std::vector<uint8_t>(numel * elem));
+  for (int r = 0; r < world; ++r) {
+    for (int64_t e = 0; e < numel; ++e) {
+      in.values[r][e] = wide_value(seed, r, e, dtype);
+      host_test::encode(dtype, in.values[r][e], &in.bytes[r][e * elem]);
+    }
+  }
+  return in;
 }
 
 }  // namespace pcie_ar::transport::cpu_device_test

@@ -64,4 +64,18 @@ float split_sum(plan::DType dtype, const std::vector<float>& x, int split);
 float canonical_sum(plan::DType dtype, const std::vector<float>& by_rank,
                     const std::vector<int>& island_of);
 
+// ---------------------------------------------------------------- data that shows the order
+// Element e of rank r: a random sign and mantissa over a wide range of binades, 2^-10 to 2^14 (for
+// fp16 to 2^11, so that no sum of eight overflows), one in sixteen a zero of either sign; exact in
+// the dtype. Every value, so every sum, is a multiple of 2^-30: no sum other than an exact zero
+// rounds to a zero in any dtype (a -0 that a lamport writer would deliver as +0).
+float wide_value(uint64_t seed, int rank, int64_t e, plan::DType dtype);
+
+// Every rank's `numel` wide values, and their bytes in the dtype.
+struct RankValues {
+  std::vector<std::vector<float>> values;  // [rank][element]
+  std::vector<std::vector<uint8_t>> bytes;
+};
+RankValues wide_values(int world, int64_t numel, plan::DType dtype, uint64_t seed);
+
 }  // namespace pcie_ar::transport::cpu_device_test

@@ -36,7 +36,7 @@ SUITES = (
     "Loopback/CpuDeviceExecutor.*",
     "CpuDeviceBackToBack.*:CpuDeviceCrossCheck.*:CpuDeviceProcesses.*:Paths/CpuDeviceFailure.*:"
     "CpuDeviceSignedZeros.*:CpuDeviceSplitSums.*:Fused/CpuDeviceEpilogue.*:"
-    "CpuDeviceEpilogueOrder.*",
+    "CpuDeviceEpilogueOrder.*:CpuDeviceRounds.*",
 )
 LIMIT_S = 900
 
@@ -179,6 +179,16 @@ MUTANTS = [
         "uint32_t split_of(const plan::Step& step) {\n  (void)step;\n  return 0;\n}\n",
         "a split step is summed as one sum: a flat tactic on two islands rounds once where the "
         "island tactics round the partials first, and the group's tactics disagree in the last bit",
+    ),
+    Mutant(
+        "chunk_stride_ignored",
+        EXECUTOR,
+        "  return plan::chunk_shift(c.num_vecs, program.num_chunks, step.chunk, "
+        "p.chunk_stride_vecs);\n",
+        "  (void)p;\n  (void)c;\n  (void)program;\n  (void)step;\n  return 0;\n",
+        "a streamed reduce-scatter's or all-gather's round addresses its chunks where its own "
+        "message puts them, not chunk_stride apart: it reads and writes the wrong elements of "
+        "the tensors",
     ),
     Mutant(
         "no_positive_zero_start",

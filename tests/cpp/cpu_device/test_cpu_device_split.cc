@@ -48,41 +48,10 @@ constexpr int64_t kNumel = 192;
 
 // ---------------------------------------------------------------- values
 
-// Element e of rank r: a random sign and mantissa over a wide range of binades, 2^-10 to 2^14 (for
-// fp16 to 2^11, so that no sum of eight overflows), one in sixteen a zero of either sign; exact in
-// the dtype. Every value, so every sum, is a multiple of 2^-30: no sum other than an exact zero
-// rounds to a zero in any dtype (a -0 that a lamport writer would deliver as +0).
-float wide_value(uint64_t seed, int rank, int64_t e, DType dtype) {
-  const uint64_t h =
-      host_test::mix(seed ^ host_test::mix(static_cast<uint64_t>(rank) + 1) ^
-                     host_test::mix(static_cast<uint64_t>(e) * 0x9e3779b97f4a7c15ull));
-  const bool negative = (h >> 40) & 1;
-  if (((h >> 44) & 15) == 0) return negative ? -0.0f : 0.0f;
-  const int lo = -10;
-  const int hi = dtype == DType::kFP16 ? 11 : 14;
-  const int exponent = lo + static_cast<int>((h >> 20) % static_cast<uint64_t>(hi - lo + 1));
-  const double mantissa = 1.0 + static_cast<double>(h & 0xfffff) / 1048576.0;
-  const double v = (negative ? -1.0 : 1.0) * std::ldexp(mantissa, exponent);
-  return static_cast<float>(host_test::round_to(dtype, v));
-}
-
-struct Inputs {
-  std::vector<std::vector<float>> values;  // [rank][element]
-  std::vector<std::vector<uint8_t>> bytes;
-};
+using Inputs = cpu_device_test::RankValues;
 
 Inputs make_inputs(int world, DType dtype, uint64_t seed) {
-  const int elem = plan::dtype_bytes(dtype);
-  Inputs in;
-  in.values.assign(world, std::vector<float>(kNumel));
-  in.bytes.assign(world, std::vector<uint8_t>(kNumel * elem));
-  for (int r = 0; r < world; ++r) {
-    for (int64_t e = 0; e < kNumel; ++e) {
-      in.values[r][e] = wide_value(seed, r, e, dtype);
-      host_test::encode(dtype, in.values[r][e], &in.bytes[r][e * elem]);
-    }
-  }
-  return in;
+  return cpu_device_test::wide_values(world, kNumel, dtype, seed);
 }
 
 // Runs schedule `id` of `group` on `in` (out of place) and compares every rank's every element

@@ -112,6 +112,86 @@ def test_batches_of_up_to_1024_rows_at_world_8(clean_shm):
     assert not results[0][2] and not results[0][3]
 
 
+# The collectives' rows: a change of protocol and direction at 4 KiB (and island two-shot above
+# it where the group has islands), so the rounds of one message may run on different tactics.
+def collective_rows(islands) -> str:
+    large = "island_twoshot,pull,1,2,64" if islands else "twoshot,pull,0,2,64"
+    return (
+        "*,*,*,0,4096,reduce_scatter:twoshot,push,0,1,64,lamport\n"
+        f"*,*,*,4096,*,reduce_scatter:{large}\n"
+        "*,*,*,0,4096,all_gather:twoshot,push,0,1,64,ll\n"
+        "*,*,*,4096,*,all_gather:twoshot,pull,0,2,64\n"
+    )
+
+
+def _collectives_whatever_the_workspace(rank, world, islands, rows_per_rank):
+    from pcie_allreduce import PcieAllReduce
+
+    table = (ISLAND_TABLE if islands else FLAT_TABLE) + collective_rows(islands)
+    x = batch(rank, world * rows_per_rank)  # the reduce-scatter's input
+    mine = batch(100 + rank, rows_per_rank)  # the all-gather's
+    assert x.numel() > ROWS * HIDDEN, "the messages stream through the small workspace"
+    results = {}
+    for name, max_numel in (("streamed", ROWS * HIDDEN), ("whole", world * rows_per_rank * HIDDEN)):
+        with PcieAllReduce(
+            None, "cpu", max_numel=max_numel, table=table, islands=islands, timeout_s=60
+        ) as ar:
+            for op, t in (("reduce_scatter", x), ("all_gather", mine)):
+                assert ar.collective_decline_reason(t, op) is None, (name, op)
+            results[name] = (
+                ar.reduce_scatter(x),
+                ar.all_gather(mine),
+                ar.chosen_collective_tactic(x, "reduce_scatter"),
+                ar.stats()["collectives"],
+            )
+            if name == "whole":
+                results["all_reduce"] = ar.all_reduce(x)
+    rs, ag, tactic, stats = results["streamed"]
+    whole_rs, whole_ag, _, _ = results["whole"]
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    m = rows_per_rank
+    return {
+        "rs_same_as_whole": torch.equal(rs, whole_rs),
+        "ag_same_as_whole": torch.equal(ag, whole_ag),
+        "ag_moves_every_bit": torch.equal(ag, torch.cat(gathered)),
+        "rs_is_the_all_reduces_chunk": torch.equal(
+            rs, results["all_reduce"][rank * m : (rank + 1) * m]
+        ),
+        "ag_same_everywhere": same_bits_everywhere(ag),
+        "declines": {op: s.get("declines") for op, s in stats.items()},
+        "tactic": tactic,
+    }
+
+
+@pytest.mark.parametrize(
+    "world,islands,rows_per_rank",
+    [
+        (3, None, 11),
+        (3, None, 40),
+        (4, [[0, 1], [2, 3]], 33),
+        (4, [[0, 2], [1, 3]], 9),
+    ],
+    ids=["w3-few-rounds", "w3-many-rounds", "w4-halves", "w4-interleaved"],
+)
+def test_reduce_scatter_and_all_gather_stream_with_the_same_bits_as_whole(
+    world, islands, rows_per_rank, clean_shm
+):
+    results = run_ranks(
+        _collectives_whatever_the_workspace, world, islands, rows_per_rank, timeout=300
+    ).values()
+    for rank, out in enumerate(results):
+        assert not any(out["declines"].values()), out["declines"]
+        for key in (
+            "rs_same_as_whole",
+            "ag_same_as_whole",
+            "ag_moves_every_bit",
+            "rs_is_the_all_reduces_chunk",
+            "ag_same_everywhere",
+        ):
+            assert out[key], f"rank {rank}: {key} ({out['tactic']})"
+
+
 def _cap(rank, world):
     from pcie_allreduce import PcieAllReduce
 
@@ -129,6 +209,12 @@ def _cap(rank, world):
         out["declines"] = ar.stats()["declines"]
     with PcieAllReduce(None, "cpu", max_numel=ROWS * HIDDEN, stream_max_numel=0) as ar:
         out["off"] = ar.decline_reason(x[:33])
+    with PcieAllReduce(None, "cpu", max_numel=ROWS * HIDDEN, stream_max_numel=64 * HIDDEN) as ar:
+        # The collectives stream to the same cap (the message: the all-gather's output).
+        out["rs_at_cap"] = ar.collective_decline_reason(x[:64], "reduce_scatter")
+        out["rs_above_cap"] = ar.collective_decline_reason(x[:66], "reduce_scatter")
+        out["ag_at_cap"] = ar.collective_decline_reason(x[:32], "all_gather")
+        out["ag_above_cap"] = ar.collective_decline_reason(x[:33], "all_gather")
     return out
 
 
@@ -139,6 +225,10 @@ def test_streaming_stops_at_its_cap_and_says_too_large_above_it(clean_shm):
         "above_cap": "too_large",
         "declines": {"too_large": 1},
         "off": "too_large",
+        "rs_at_cap": None,
+        "rs_above_cap": "too_large",
+        "ag_at_cap": None,
+        "ag_above_cap": "too_large",
     }, out
 
 

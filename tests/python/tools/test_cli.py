@@ -132,9 +132,11 @@ def test_tune_writes_the_cache_and_a_second_run_measures_nothing(tmp_path):
     assert data["status"] == "tuned" and data["measured"] > 0
     assert f"# measured {data['measured']} (bucket, tactic) pairs" in first.stdout
     # Every bucket's row, the incumbent and the chosen tactic with their times.
-    assert [(c["dtype"], c["bytes"]) for c in data["choices"]] == [
-        (d, b) for d in ("bf16", "fp16", "fp32") for b in (1024, 2048, 4096)
-    ]
+    # ... for each op (the collectives measured against their own fallback too).
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        assert [(c["dtype"], c["bytes"]) for c in data["choices"] if c["op"] == op] == [
+            (d, b) for d in ("bf16", "fp16", "fp32") for b in (1024, 2048, 4096)
+        ], op
     for c in data["choices"]:
         assert f"{c['bytes']:>9}" in first.stdout and c["winner"] in first.stdout
     second = run_cli_env(env, *args)

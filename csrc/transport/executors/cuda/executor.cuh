@@ -58,16 +58,28 @@ __device__ __forceinline__ uint4* resolve_slot(const LaunchParams& p, const Call
   return reinterpret_cast<uint4*>(p.bases[ref.owner] + p.layout.slot_offset(c.parity, ref.slot));
 }
 
+// Chunk `chunk`'s vectors of this rank's input or output lie `shift` vectors from where the
+// message's own chunking puts them (step_shift); slots are the message's own, never shifted.
 __device__ __forceinline__ uint4* resolve(const LaunchParams& p, const Call& c,
-                                          const plan::BufRef& ref) {
+                                          const plan::BufRef& ref, int64_t shift) {
   switch (ref.space) {
     case plan::Space::kInput:  // check_program(): programs name only their own tensors
-      return const_cast<uint4*>(static_cast<const uint4*>(p.inputs[c.rank]));
+      return const_cast<uint4*>(static_cast<const uint4*>(p.inputs[c.rank])) + shift;
     case plan::Space::kOutput:
-      return static_cast<uint4*>(p.outputs[c.rank]);
+      return static_cast<uint4*>(p.outputs[c.rank]) + shift;
     default:
       return resolve_slot(p, c, ref);
   }
+}
+
+// Where a step's chunk lies in this call's tensors: a streamed collective's round holds its
+// chunks p.chunk_stride_vecs apart in them (transport::Call::chunk_stride), so the step's input
+// and output vectors are `shift` vectors from the message's own chunking; 0 without a stride.
+// Once per step, not per vector: the stride is uniform and the chunk is the step's.
+__device__ __forceinline__ int64_t step_shift(const LaunchParams& p, const Call& c,
+                                              const plan::Program& program,
+                                              const plan::Step& step) {
+  return plan::chunk_shift(c.num_vecs, program.num_chunks, step.chunk, p.chunk_stride_vecs);
 }
 
 // The first LL vector of an LL slot: payload vector v lives at [2v, 2v + 1] (Lamport: at v).
@@ -226,7 +238,8 @@ __device__ __forceinline__ uint4 sum_in_order(const uint4 (&x)[N]) {
 // operands are loaded before the store, so dst may alias any source elementwise (the in-place op).
 template <typename T, plan::Direction D, int N, int S>
 __device__ __forceinline__ void reduce_slice(const LaunchParams& p, const Call& c,
-                                             const plan::Step& step, plan::VecRange range) {
+                                             const plan::Step& step, int64_t shift,
+                                             plan::VecRange range) {
   // The operands' and the destination's pointers advance by the stride, rather than an index
   // being added to each of them: with the split sums' code in the kernel, ptxas spilled one of
   // eight operand pointers (bf16/fp16 on sm_90 with a 32-bit index, fp32 on sm_120 with a 64-bit
@@ -236,8 +249,8 @@ __device__ __forceinline__ void reduce_slice(const LaunchParams& p, const Call& 
   const int stride = static_cast<int>(blockDim.x);
   const uint4* src[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) src[i] = resolve(p, c, step.srcs[i]) + begin;
-  uint4* dst = resolve(p, c, step.dst) + begin;
+  for (int i = 0; i < N; ++i) src[i] = resolve(p, c, step.srcs[i], shift) + begin;
+  uint4* dst = resolve(p, c, step.dst, shift) + begin;
   const int end = static_cast<int>(range.end);
   for (int v = begin; v < end; v += stride) {
     uint4 x[N];
@@ -282,11 +295,11 @@ __device__ __forceinline__ bool try_load_ll(const uint4* at, uint32_t tag, uint4
 }
 
 // Where payload vector v of operand `ref` of an LL step lives: an LL slot's words for it, or the
-// vector of a plain buffer.
+// vector of a plain buffer (the step's `shift` applies to its input and output: step_shift).
 template <bool Dense>
 __device__ __forceinline__ uint4* locate(const LaunchParams& p, const Call& c,
-                                         const plan::BufRef& ref, int v) {
-  if (ref.space != plan::Space::kLL) return resolve(p, c, ref) + v;
+                                         const plan::BufRef& ref, int64_t shift, int v) {
+  if (ref.space != plan::Space::kLL) return resolve(p, c, ref, shift) + v;
   return resolve_ll(p, c, ref) + (Dense ? v : 2 * v);
 }
 
@@ -397,7 +410,8 @@ __device__ __forceinline__ void exchange_headers(const LaunchParams& p, const Ca
 template <plan::Direction D, bool Dense, int First, int K>
 __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Call& c,
                                                 int step_index, const plan::Step& step,
-                                                uint32_t ll_mask, int v, uint4 (&x)[K]) {
+                                                int64_t shift, uint32_t ll_mask, int v,
+                                                uint4 (&x)[K]) {
   const uint32_t tag = c.ll_tag;
   ll_mask = opaque_u32(ll_mask);
   // First look, 1: addresses, before the first load's clobber.
@@ -405,7 +419,7 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const plan::BufRef& ref = step.srcs[First + k];
-    at[k] = locate<Dense>(p, c, ref, v);
+    at[k] = locate<Dense>(p, c, ref, shift, v);
   }
   // First look, 2: every load of the group in flight at once.
   uint4 lo[K];
@@ -437,7 +451,7 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
   for (int k = 0; k < K; ++k) {
     if ((pending >> k) & 1u) {
       const plan::BufRef& ref = step.srcs[First + k];
-      x[k] = await_ll<Dense>(p, c, step_index, step, ref, locate<Dense>(p, c, ref, v));
+      x[k] = await_ll<Dense>(p, c, step_index, step, ref, locate<Dense>(p, c, ref, shift, v));
     }
   }
   // Consumed: no tag and no Lamport word is kLLEmpty, so an LL word is valid exactly once per
@@ -445,7 +459,7 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if ((ll_mask >> (First + k)) & 1u) {
-      uint4* ll = locate<Dense>(p, c, step.srcs[First + k], v);
+      uint4* ll = locate<Dense>(p, c, step.srcs[First + k], shift, v);
       reset_ll(ll);
       if constexpr (!Dense) reset_ll(ll + 1);
     }
@@ -456,13 +470,14 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
 // sum_in_order splits: `first` takes the rounded first sum), kLLGroup at a time.
 template <typename T, plan::Direction D, bool Dense, int N, int S, int First>
 __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call& c, int step_index,
-                                              const plan::Step& step, uint32_t ll_mask, int v,
+                                              const plan::Step& step, int64_t shift,
+                                              uint32_t ll_mask, int v,
                                               float (&acc)[VecMath<T>::kElems], uint4& first) {
   using M = VecMath<T>;
   constexpr int kGroup = Dense ? kLLDenseGroup : kLLGroup;
   constexpr int K = N - First < kGroup ? N - First : kGroup;
   uint4 x[K];
-  gather_ll_group<D, Dense, First, K>(p, c, step_index, step, ll_mask, v, x);
+  gather_ll_group<D, Dense, First, K>(p, c, step_index, step, shift, ll_mask, v, x);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     split_at<T, S>(First + k, acc, first);
@@ -473,7 +488,8 @@ __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call&
     // the adds past them and hold this group's operands (4 registers each) in place of the sum.
 #pragma unroll
     for (int e = 0; e < M::kElems; ++e) acc[e] = opaque_f32(acc[e]);
-    accumulate_ll<T, D, Dense, N, S, First + K>(p, c, step_index, step, ll_mask, v, acc, first);
+    accumulate_ll<T, D, Dense, N, S, First + K>(p, c, step_index, step, shift, ll_mask, v, acc,
+                                                first);
   }
 }
 
@@ -483,7 +499,7 @@ __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call&
 template <typename T, plan::Direction D, bool Dense, int N, int S>
 __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Call& c,
                                                 int step_index, const plan::Step& step,
-                                                plan::VecRange range) {
+                                                int64_t shift, plan::VecRange range) {
   if constexpr (Dense) {
     if (thread_index() == static_cast<int>(blockDim.x) - 1 && range.begin < range.end) {
       exchange_headers(p, c, step_index, step);
@@ -497,17 +513,17 @@ __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Cal
     uint4 out;
     if constexpr (N == 1) {
       uint4 x[1];
-      gather_ll_group<D, Dense, 0, 1>(p, c, step_index, step, ll_mask, v, x);
+      gather_ll_group<D, Dense, 0, 1>(p, c, step_index, step, shift, ll_mask, v, x);
       out = x[0];
     } else {
       float acc[VecMath<T>::kElems];
       uint4 first = make_uint4(0u, 0u, 0u, 0u);
       start_sum(acc);
-      accumulate_ll<T, D, Dense, N, S, 0>(p, c, step_index, step, ll_mask, v, acc, first);
+      accumulate_ll<T, D, Dense, N, S, 0>(p, c, step_index, step, shift, ll_mask, v, acc, first);
       join_split<T, S>(acc, first);
       out = VecMath<T>::narrow(acc);
     }
-    uint4* dst = locate<Dense>(p, c, step.dst, v);
+    uint4* dst = locate<Dense>(p, c, step.dst, shift, v);
     if (step.dst.space != plan::Space::kLL) {
       store_cg(dst, out);
     } else if constexpr (Dense) {
@@ -531,18 +547,19 @@ __device__ __forceinline__ bool touches_ll(const plan::Step& step) {
 // kernel (one more live register spills on sm_120).
 template <typename T, plan::Direction D, bool LL>
 __device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, int s,
-                                         const plan::Step& step, bool dense, plan::VecRange range) {
+                                         const plan::Step& step, bool dense, int64_t shift,
+                                         plan::VecRange range) {
   static_assert(plan::kMaxSources == 8);
-#define PCIE_AR_REDUCE_CASE(n)                                                          \
-  case n:                                                                               \
-    return with_split<n>(split_of(step), [&](auto split) {                              \
-      constexpr int kSplit = decltype(split)::value;                                    \
-      if constexpr (LL) {                                                               \
-        if (dense) return reduce_slice_ll<T, D, true, n, kSplit>(p, c, s, step, range); \
-        return reduce_slice_ll<T, D, false, n, kSplit>(p, c, s, step, range);           \
-      } else {                                                                          \
-        return reduce_slice<T, D, n, kSplit>(p, c, step, range);                        \
-      }                                                                                 \
+#define PCIE_AR_REDUCE_CASE(n)                                                                 \
+  case n:                                                                                      \
+    return with_split<n>(split_of(step), [&](auto split) {                                     \
+      constexpr int kSplit = decltype(split)::value;                                           \
+      if constexpr (LL) {                                                                      \
+        if (dense) return reduce_slice_ll<T, D, true, n, kSplit>(p, c, s, step, shift, range); \
+        return reduce_slice_ll<T, D, false, n, kSplit>(p, c, s, step, shift, range);           \
+      } else {                                                                                 \
+        return reduce_slice<T, D, n, kSplit>(p, c, step, shift, range);                        \
+      }                                                                                        \
     });
   switch (step.num_srcs) {
     PCIE_AR_REDUCE_CASE(1)
@@ -565,12 +582,13 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
   const plan::Step& step = program.steps[step_index];
   const plan::VecRange range = plan::slice_range(c.num_vecs, program.num_chunks, step.chunk,
                                                  static_cast<int>(gridDim.x), c.block);
+  const int64_t shift = step_shift(p, c, program, step);
   if (touches_ll(step)) {
     // LL is push-only: check_program() refuses a pull program with LL slots, so the pull kernels
     // carry no LL code (half the instantiations, half the compile time).
     if constexpr (D == plan::Direction::kPush) {
       reduce_n<T, D, true>(p, c, step_index, step, program.ll_format == plan::LLFormat::kDense,
-                           range);
+                           shift, range);
     } else {
       trap_kernel();
     }
@@ -579,9 +597,9 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
     // where those writes land; in host memory (cuda_host) L2 may still hold the line from the
     // previous call of this parity, so read like pull operands: ld.cv re-fetches system-memory
     // lines. Direction only selects the loads in reduce_n.
-    reduce_n<T, plan::Direction::kPull, false>(p, c, step_index, step, false, range);
+    reduce_n<T, plan::Direction::kPull, false>(p, c, step_index, step, false, shift, range);
   } else {
-    reduce_n<T, D, false>(p, c, step_index, step, false, range);
+    reduce_n<T, D, false>(p, c, step_index, step, false, shift, range);
   }
 }
 
@@ -613,14 +631,15 @@ __device__ __forceinline__ int fanout_length(const plan::Program& program, int s
 // Steps [s, s + N) as one pass over their (shared) slice: one load, N stores per vector.
 template <typename T, plan::Direction D, Fanout F, int N>
 __device__ __forceinline__ void fanout(const LaunchParams& p, const Call& c,
-                                       const plan::Program& program, int s, plan::VecRange range) {
+                                       const plan::Program& program, int s, int64_t shift,
+                                       plan::VecRange range) {
   if constexpr (F == Fanout::kDense) {
     if (thread_index() == static_cast<int>(blockDim.x) - 1 && range.begin < range.end) {
 #pragma unroll
       for (int j = 0; j < N; ++j) exchange_headers(p, c, s + j, program.steps[s + j]);
     }
   }
-  const uint4* src = resolve(p, c, program.steps[s].srcs[0]);
+  const uint4* src = resolve(p, c, program.steps[s].srcs[0], shift);
   // Each destination's address is derived from the staged step where it is stored, not held in
   // a register through the loop: seven 64-bit pointers beside the vector spill on sm_120. A
   // store clobbers memory, so the derivation is not hoisted either; it is a few integer
@@ -649,22 +668,22 @@ __device__ __forceinline__ void fanout(const LaunchParams& p, const Call& c,
 
 template <typename T, plan::Direction D, Fanout F>
 __device__ __forceinline__ void fanout_n(const LaunchParams& p, const Call& c,
-                                         const plan::Program& program, int s, int n,
+                                         const plan::Program& program, int s, int n, int64_t shift,
                                          plan::VecRange range) {
   static_assert(kMaxFanout == 7);
   switch (n) {
     case 2:
-      return fanout<T, D, F, 2>(p, c, program, s, range);
+      return fanout<T, D, F, 2>(p, c, program, s, shift, range);
     case 3:
-      return fanout<T, D, F, 3>(p, c, program, s, range);
+      return fanout<T, D, F, 3>(p, c, program, s, shift, range);
     case 4:
-      return fanout<T, D, F, 4>(p, c, program, s, range);
+      return fanout<T, D, F, 4>(p, c, program, s, shift, range);
     case 5:
-      return fanout<T, D, F, 5>(p, c, program, s, range);
+      return fanout<T, D, F, 5>(p, c, program, s, shift, range);
     case 6:
-      return fanout<T, D, F, 6>(p, c, program, s, range);
+      return fanout<T, D, F, 6>(p, c, program, s, shift, range);
     default:
-      return fanout<T, D, F, 7>(p, c, program, s, range);
+      return fanout<T, D, F, 7>(p, c, program, s, shift, range);
   }
 }
 
@@ -676,12 +695,14 @@ __device__ __forceinline__ void run_fanout(const LaunchParams& p, const Call& c,
   const plan::Step& first = program.steps[s];
   const plan::VecRange range = plan::slice_range(c.num_vecs, program.num_chunks, first.chunk,
                                                  static_cast<int>(gridDim.x), c.block);
+  // The source is this rank's input or output (is_fanout_copy); the destinations are slots.
+  const int64_t shift = step_shift(p, c, program, first);
   if (first.dst.space != plan::Space::kLL) {
-    fanout_n<T, D, Fanout::kPlain>(p, c, program, s, n, range);
+    fanout_n<T, D, Fanout::kPlain>(p, c, program, s, n, shift, range);
   } else if (program.ll_format == plan::LLFormat::kDense) {
-    fanout_n<T, D, Fanout::kDense>(p, c, program, s, n, range);
+    fanout_n<T, D, Fanout::kDense>(p, c, program, s, n, shift, range);
   } else {
-    fanout_n<T, D, Fanout::kTagged>(p, c, program, s, n, range);
+    fanout_n<T, D, Fanout::kTagged>(p, c, program, s, n, shift, range);
   }
 }
 

@@ -10,7 +10,8 @@ namespace pcie_ar::transport {
 LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet& programs,
                                 plan::DType dtype, int blocks, int threads,
                                 const void* const* inputs, void* const* outputs, int64_t numel,
-                                uint32_t signature, int first_rank, int ranks_in_launch) {
+                                uint32_t signature, int first_rank, int ranks_in_launch,
+                                int64_t chunk_stride) {
   LaunchParams p;
   p.layout = workspace.layout;
   for (int r = 0; r < plan::kMaxWorld; ++r) {
@@ -25,6 +26,7 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
   p.diag = workspace.diag;
   p.claim = workspace.claim;
   p.numel = numel;
+  p.chunk_stride_vecs = chunk_stride * plan::dtype_bytes(dtype) / plan::kVectorBytes;
   p.timeout_ns = workspace.timeout_ns;
   p.signature = signature;
   p.dtype = dtype;

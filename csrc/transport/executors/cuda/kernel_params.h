@@ -40,6 +40,10 @@ struct LaunchParams {
   plan::Diagnostic* diag = nullptr;                     // mapped host memory (device address)
   uint32_t* claim = nullptr;  // device word: the first failing CTA records, others trap
   int64_t numel = 0;
+  // transport::Call::chunk_stride in 16-byte vectors: chunk c of the message lies
+  // c * chunk_stride_vecs vectors from inputs[r] / outputs[r] (plan::chunk_shift, once per step);
+  // 0: the message's own chunking. Slots are never shifted.
+  int64_t chunk_stride_vecs = 0;
   uint64_t timeout_ns = 0;  // per wait; 0 waits forever
   uint32_t signature = 0;   // plan::call_signature(dtype, tactic)
   plan::DType dtype = plan::DType::kBF16;
@@ -84,11 +88,13 @@ struct ProgramSet {
 };
 
 // The parameters of one launch. `inputs`/`outputs` are indexed by rank and hold at least
-// first_rank + ranks_in_launch entries.
+// first_rank + ranks_in_launch entries. `chunk_stride`: transport::Call::chunk_stride, in
+// elements (0, or a whole number of vectors), the same for every launched rank.
 LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet& programs,
                                 plan::DType dtype, int blocks, int threads,
                                 const void* const* inputs, void* const* outputs, int64_t numel,
-                                uint32_t signature, int first_rank, int ranks_in_launch);
+                                uint32_t signature, int first_rank, int ranks_in_launch,
+                                int64_t chunk_stride = 0);
 
 // Gives rank `rank` of the launch the fused epilogue's tensors (every launched rank the same
 // hidden and eps).

@@ -122,7 +122,7 @@ void CudaKernelWorkspace::run(const Call& call) {
   outputs[rank()] = call.output;
   LaunchParams p =
       make_launch_params(view_, programs_[call.program], call.dtype, call.blocks, call.threads,
-                         inputs, outputs, call.numel, call.signature, rank(), 1);
+                         inputs, outputs, call.numel, call.signature, rank(), 1, call.chunk_stride);
   if (call.epilogue.hidden > 0) set_epilogue(p, rank(), call.epilogue);
   DeviceGuard guard(device_);
   const auto stream = static_cast<cudaStream_t>(call.stream);

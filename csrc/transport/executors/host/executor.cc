@@ -138,6 +138,7 @@ class BlockPass {
     dense_ = program.ll_format == plan::LLFormat::kDense;
     elem_bytes_ = plan::dtype_bytes(call.dtype);
     num_vecs_ = call.numel * plan::dtype_bytes(call.dtype) / plan::kVectorBytes;
+    stride_vecs_ = call.chunk_stride * plan::dtype_bytes(call.dtype) / plan::kVectorBytes;
   }
 
   void run_steps(ReduceFn reduce) const {
@@ -175,14 +176,18 @@ class BlockPass {
     return *reinterpret_cast<uint64_t*>(bases_[rank_] + layout_.gen_counter_offset(block));
   }
 
-  uint8_t* resolve(const BufRef& ref, int64_t first_vec) const {
+  // Where message vector first_vec of chunk `chunk` (the step's) lives in `ref`'s space. The
+  // call's tensors may hold their chunks chunk_stride apart (a streamed collective's round).
+  uint8_t* resolve(const BufRef& ref, int64_t first_vec, int chunk) const {
     uint8_t* base = nullptr;
     switch (ref.space) {
       case Space::kInput:
         base = static_cast<uint8_t*>(const_cast<void*>(call_.input));
+        first_vec += plan::chunk_shift(num_vecs_, program_.num_chunks, chunk, stride_vecs_);
         break;
       case Space::kOutput:
         base = static_cast<uint8_t*>(call_.output);
+        first_vec += plan::chunk_shift(num_vecs_, program_.num_chunks, chunk, stride_vecs_);
         break;
       case Space::kSlot:
         base = bases_[ref.owner] + layout_.slot_offset(parity_, ref.slot);
@@ -218,9 +223,10 @@ class BlockPass {
       }
       return;
     }
-    uint8_t* dst = resolve(step.dst, range.begin);
+    uint8_t* dst = resolve(step.dst, range.begin, step.chunk);
     const uint8_t* srcs[plan::kMaxSources];
-    for (int s = 0; s < step.num_srcs; ++s) srcs[s] = resolve(step.srcs[s], range.begin);
+    for (int s = 0; s < step.num_srcs; ++s)
+      srcs[s] = resolve(step.srcs[s], range.begin, step.chunk);
     const int64_t count = range.end - range.begin;
     if (step.num_dsts != 2) {
       combine(dst, srcs, step, count, reduce);
@@ -228,7 +234,7 @@ class BlockPass {
     }
     // Two destinations in one pass: each tile is summed into dst, then copied on to dst2 while
     // it is still in L1, instead of reading the whole result back from further away.
-    uint8_t* dst2 = resolve(step.dst2, range.begin);
+    uint8_t* dst2 = resolve(step.dst2, range.begin, step.chunk);
     for (int64_t v = 0; v < count; v += kFusedTileVecs) {
       const int64_t n = std::min(kFusedTileVecs, count - v);
       const int64_t at = v * plan::kVectorBytes;
@@ -288,24 +294,24 @@ class BlockPass {
     alignas(64) uint8_t summed[kLLTileVecs * plan::kVectorBytes];
     const bool ll_dst = step.dst.space == Space::kLL;
     const bool copy = step.num_srcs == 1;
-    uint8_t* out = ll_dst ? summed : resolve(step.dst, first);
+    uint8_t* out = ll_dst ? summed : resolve(step.dst, first, step.chunk);
     const uint8_t* srcs[plan::kMaxSources];
     for (int s = 0; s < step.num_srcs; ++s) {
       const BufRef& src = step.srcs[s];
       if (src.space != Space::kLL) {
-        srcs[s] = resolve(src, first);
+        srcs[s] = resolve(src, first, step.chunk);
         continue;
       }
       uint8_t* into = copy && !ll_dst ? out : decoded[s];
-      await_ll(index, step, src, resolve(src, first), into, count, dense_);
+      await_ll(index, step, src, resolve(src, first, step.chunk), into, count, dense_);
       srcs[s] = into;
     }
     if (copy && ll_dst) {
-      store_ll(srcs[0], resolve(step.dst, first), count, dense_);
+      store_ll(srcs[0], resolve(step.dst, first, step.chunk), count, dense_);
       return;
     }
     if (!(copy && srcs[0] == out)) combine(out, srcs, step, count, reduce);
-    if (ll_dst) store_ll(out, resolve(step.dst, first), count, dense_);
+    if (ll_dst) store_ll(out, resolve(step.dst, first, step.chunk), count, dense_);
   }
 
   // Writes `count` payload vectors as LL words: one 64-bit release store per payload word (a
@@ -478,6 +484,7 @@ class BlockPass {
   bool dense_ = false;  // the program's LL slots are Lamport (plan::LLFormat::kDense)
   int elem_bytes_ = 0;
   int64_t num_vecs_ = 0;
+  int64_t stride_vecs_ = 0;  // Call::chunk_stride in vectors; 0: the message's own chunks
 };
 
 }  // namespace

@@ -1,11 +1,13 @@
 """The tuner: measures this host once and writes its tuning cache.
 
-``tune()`` times every runnable tactic (and the fallback) per size bucket, keeps the incumbent
-unless a challenger wins by more than the measured noise (``decision``), and writes
-``cache.cache_path(fingerprint)``; the next communicator on the same host (same fingerprint)
-loads that file and measures nothing. It drives a :class:`~pcie_allreduce.PcieAllReduce`
-through its public interface only: ``config``, ``table``, ``gather``, ``trial``,
-``install_table``, ``supports``, ``chosen_tactic`` and ``all_reduce``.
+``tune()`` times, per operation (the all-reduce, whose rows the fused op uses too, the
+reduce-scatter and the all-gather), dtype and size bucket, every runnable tactic against that
+operation's own fallback, keeps the incumbent unless a challenger wins by more than the measured
+noise (``decision``), and writes ``cache.cache_path(fingerprint)``; the next communicator on the
+same host (same fingerprint) loads that file and measures nothing. It drives a
+:class:`~pcie_allreduce.PcieAllReduce` through its public interface only: ``config``,
+``table``, ``gather``, ``trial``, ``install_table``, ``supports``, ``tactic`` and the calls
+(``all_reduce``, ``reduce_scatter``, ``all_gather``).
 
 This module is the driver (refusals, the cache lock, the cached table or a measurement, the
 table installed and written); ``sweep`` is what is measured (the candidates and the size
@@ -31,15 +33,25 @@ from .. import cache
 from ..passes import current_pass
 from .measurement import Measurement
 from .progress import Progress
-from .sweep import Candidate, buckets, candidates, columns_of_label
+from .sweep import TUNED_OPS, Candidate, buckets, candidates, columns_of_label, message_size
 from .table import tuned_rows, untuned_rows
 
-__all__ = ["Candidate", "buckets", "candidates", "columns_of_label", "synthetic_timer", "tune"]
+__all__ = [
+    "TUNED_OPS",
+    "Candidate",
+    "buckets",
+    "candidates",
+    "columns_of_label",
+    "message_size",
+    "synthetic_timer",
+    "tune",
+]
 
 logger = logging.getLogger("pcie_allreduce")
 
 # Tests replace how a block of calls is timed, to drive the decision logic with known costs
-# and known noise: synthetic_timer(label, size_bytes) -> seconds per call. The calls still run.
+# and known noise: synthetic_timer(label, size_bytes, op) -> seconds per call. The calls still
+# run.
 # Read when a tune starts.
 synthetic_timer: Any | None = None
 
@@ -60,6 +72,19 @@ def _refusal(ar: Any) -> str | None:
     if not ar.enabled:
         return f"the communicator is disabled ({ar.disabled_reason}): there is nothing to tune"
     return None
+
+
+def _check_ops(ops: Sequence[str] | None) -> list[str]:
+    """The operations to tune, in TUNED_OPS order; anything else raises."""
+    if ops is None:
+        return list(TUNED_OPS)
+    chosen = [ops] if isinstance(ops, str) else list(ops)
+    if isinstance(ops, str) or not chosen or any(op not in TUNED_OPS for op in chosen):
+        raise ValueError(
+            f"tune(ops={ops!r}): expected a non-empty sequence of operations from "
+            f"{list(TUNED_OPS)} (the fused all_reduce_add_rms_norm takes the all-reduce's rows)"
+        )
+    return [op for op in TUNED_OPS if op in chosen]
 
 
 def _check_arguments(
@@ -133,16 +158,22 @@ def tune(
     budget_s: float = 120.0,
     force: bool = False,
     progress: bool | None = None,
+    ops: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Measures this host and writes its cache (collective: call on every rank).
 
     ``dtypes`` defaults to every dtype the communicator admits: an admitted dtype left on the
-    seed's guesses is how a tuner ends up tuning bf16 while serving fp16.
+    seed's guesses is how a tuner ends up tuning bf16 while serving fp16. ``ops`` defaults to
+    every operation with rows of its own (:data:`TUNED_OPS`: the all-reduce, which decides the
+    fused op too, the reduce-scatter and the all-gather); ``budget_s`` is the whole tune's,
+    shared by every (op, dtype, bucket) measured.
     Without ``force``, a valid cache for this host is loaded and nothing is measured
     (``measured`` is 0 and ``status`` is ``cached``). Returns a report: ``measured`` (bucket,
-    tactic pairs timed), ``path`` (the cache file), ``status``, ``choices`` (per bucket: the
-    winner, the incumbent and their times), ``excluded`` (wrong tactics), ``table_hash``."""
+    tactic pairs timed), ``path`` (the cache file), ``status``, ``choices`` (per op and bucket:
+    ``op``, the winner, the incumbent and their times), ``excluded`` (wrong tactics, with their
+    ``op``), ``table_hash``."""
     dtypes = _check_arguments(ar, dtypes, max_bytes, budget_s)
+    tuned_ops = _check_ops(ops)
     _agree_to_tune(ar)
     started = time.perf_counter()
     path = cache.cache_path(ar.config.fingerprint)
@@ -169,7 +200,7 @@ def tune(
         # The measurement calls are not service: stats() shows only the engine's calls.
         with ar.trial() as use:
             measurement = Measurement(ar, budget_s, use, synthetic_timer)
-            report = _measure(ar, measurement, dtypes, max_bytes, progress, path)
+            report = _measure(ar, measurement, tuned_ops, dtypes, max_bytes, progress, path)
     finally:
         if lock is not None:
             lock.release()
@@ -177,28 +208,44 @@ def tune(
     return report
 
 
+def _plan(
+    ar: Any, ops: list[str], dtypes: list[str], max_bytes: int | None
+) -> list[tuple[str, str, int, int, int]]:
+    """(op, dtype, lo, measured size, hi) of every measurement: the buckets up to the workspace
+    (or ``max_bytes``), each collective's size rounded down to whole 16-byte chunks per rank.
+    Streamed sizes (above the workspace) run in rounds of at most the workspace, which the
+    buckets below it measure: the last bucket's row reaches to no bound."""
+    plan = []
+    for op in ops:
+        for dtype in dtypes:
+            top = ar.max_numel * DTYPES[dtype].itemsize
+            for lo, size, hi in buckets(min(top, max_bytes or top)):
+                measured = message_size(op, size, ar.world_size)
+                if measured > 0:
+                    plan.append((op, dtype, lo, measured, hi))
+    return plan
+
+
 def _measure(
     ar: Any,
     measurement: Measurement,
+    ops: list[str],
     dtypes: list[str],
     max_bytes: int | None,
     progress: bool | None,
     path: Path,
 ) -> dict[str, Any]:
-    plan = []
-    for dtype in dtypes:
-        top = ar.max_numel * DTYPES[dtype].itemsize
-        plan += [(dtype, *b) for b in buckets(min(top, max_bytes or top))]
+    plan = _plan(ar, ops, dtypes, max_bytes)
     bar = Progress(len(plan), show=(ar.rank == 0) if progress is None else progress)
     choices = []
     try:
-        for dtype, lo, size, hi in plan:
+        for op, dtype, lo, size, hi in plan:
             choice = measurement.bucket(
-                dtype, lo, size, hi, measurement.budget_s / max(len(plan), 1)
+                dtype, lo, size, hi, measurement.budget_s / max(len(plan), 1), op
             )
             if choice is not None:
                 choices.append(choice)
-            bar.step(f"{dtype} {size} B")
+            bar.step(f"{op} {dtype} {size} B")
     finally:
         measurement.restore()
     if measurement.measured == 0 or not choices:
@@ -208,7 +255,7 @@ def _measure(
         )
     key = ar.config.topology_key
     text = tuned_rows(choices, key, ar.world_size) + untuned_rows(
-        ar.table.text, key, ar.world_size, dtypes
+        ar.table.text, key, ar.world_size, dtypes, ops
     )
     text = ar.gather(text if ar.rank == 0 else None, "tune: decision")[0]
     try:
@@ -218,6 +265,7 @@ def _measure(
     written, problem = _write_on_rank0(ar, path, text, measurement.measured)
     return {
         "status": "tuned",
+        "ops": ops,
         "measured": measurement.measured,
         "path": str(path) if written else None,
         "problem": problem,

@@ -1,14 +1,16 @@
-"""How a tune measures one size bucket: every rank runs the same contenders in the same order
-on small-integer inputs whose sum is exact, excludes a contender that gives a wrong sum on any
-rank, then times the rest in interleaved rounds until each finalist's ratio to the incumbent is
-known, or the bucket's budget is spent; the incumbent stays unless beaten by more than the
-noise (``decision``)."""
+"""How a tune measures one operation at one size bucket: every rank runs the same contenders in
+the same order on small-integer inputs whose sums are exact, excludes a contender that gives a
+wrong result on any rank, then times the rest in interleaved rounds until each finalist's ratio
+to the incumbent is known, or the bucket's budget is spent; the incumbent stays unless beaten by
+more than the noise (``decision``). The operations: the all-reduce, the reduce-scatter and the
+all-gather, each against its own fallback."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +27,15 @@ from ..decision import (
     median_and_error,
     ratio_and_error,
 )
-from .sweep import candidates, columns_of_label
+from .sweep import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    Candidate,
+    candidates,
+    columns_of_label,
+    row_prefix,
+)
 
 logger = logging.getLogger("pcie_allreduce")
 
@@ -51,18 +61,52 @@ def _exact_sum(world: int, numel: int, dtype: Any) -> Any:
     return total.to(dtype)
 
 
+@dataclass
+class _Case:
+    """One operation at one message size on this rank: its input, the output a call writes,
+    the exact result that output must hold, and the call."""
+
+    x: Any
+    y: Any
+    expected: Any
+    call: Callable[[], None]
+
+
+def _case(ar: Any, op: str, numel: int, dtype: Any) -> _Case:
+    """``op`` on a message of ``numel`` elements (a collective's message is the whole tensor:
+    reduce-scatter's input, all-gather's output). The reference: the exact sum (all-reduce),
+    this rank's chunk of it (reduce-scatter), every rank's input in rank order (all-gather)."""
+    rank, world = ar.rank, ar.world_size
+    if op == ALL_REDUCE:
+        x = _exact_input(rank, numel, dtype).to(ar.device)
+        y = torch.empty_like(x)
+        return _Case(x, y, _exact_sum(world, numel, dtype), lambda: ar.all_reduce(x, out=y))
+    chunk = numel // world
+    if op == REDUCE_SCATTER:
+        x = _exact_input(rank, numel, dtype).to(ar.device)
+        y = torch.empty(chunk, dtype=dtype, device=ar.device)
+        expected = _exact_sum(world, numel, dtype)[rank * chunk : (rank + 1) * chunk]
+        return _Case(x, y, expected, lambda: ar.reduce_scatter(x, out=y))
+    if op == ALL_GATHER:
+        x = _exact_input(rank, chunk, dtype).to(ar.device)
+        y = torch.empty(numel, dtype=dtype, device=ar.device)
+        expected = torch.cat([_exact_input(r, chunk, dtype) for r in range(world)])
+        return _Case(x, y, expected, lambda: ar.all_gather(x, out=y))
+    raise ValueError(f"no tuned operation {op!r}")
+
+
 class Measurement:
     """One tune's measurements of one communicator: every rank runs the same candidates in the
     same order; every decision is computed from gathered numbers. ``synthetic_timer(label,
-    size_bytes) -> seconds per call``, when given, replaces how a block of calls is timed (the
-    calls still run)."""
+    size_bytes, op) -> seconds per call``, when given, replaces how a block of calls is timed
+    (the calls still run)."""
 
     def __init__(
         self,
         ar: Any,
         budget_s: float,
         use: Callable[[str | None], None],
-        synthetic_timer: Callable[[str, int], float] | None = None,
+        synthetic_timer: Callable[[str, int, str], float] | None = None,
     ) -> None:
         self.ar, self.use, self.budget_s = ar, use, budget_s
         self.synthetic_timer = synthetic_timer
@@ -73,24 +117,33 @@ class Measurement:
         self.sync = (lambda: torch.cuda.synchronize(ar.device)) if self.cuda else (lambda: None)
         measured = ar.table.source.startswith(policy.cache_source(""))
         self.min_margin = MIN_MARGIN_MEASURED if measured else MIN_MARGIN
-        config = ar.config
-        self.candidates = candidates(
-            config.transport, ar.world_size, config.island_of, config.max_blocks
-        )
+        self._candidates: dict[str, list[Candidate]] = {}
         self.measured = 0
         self.excluded: list[dict[str, Any]] = []
 
-    def install(self, columns: str, dtype: str) -> None:
-        self.use(f"*,*,{dtype},0,*,{columns}\n")
+    def candidates(self, op: str) -> list[Candidate]:
+        """Every tactic the plan layer builds for ``op`` here, then the fallback."""
+        if op not in self._candidates:
+            config = self.ar.config
+            self._candidates[op] = candidates(
+                config.transport, self.ar.world_size, config.island_of, config.max_blocks, op
+            )
+        return self._candidates[op]
+
+    def install(self, columns: str, dtype: str, op: str = ALL_REDUCE) -> None:
+        """A trial table whose one row sends every ``op`` call of ``dtype`` to ``columns``."""
+        self.use(f"*,*,{dtype},0,*,{row_prefix(op)}{columns}\n")
 
     def restore(self) -> None:
         self.use(None)
 
-    def _timed(self, fn: Any, calls: int, label: str = "", size: int = 0) -> float:
+    def _timed(
+        self, fn: Any, calls: int, label: str = "", size: int = 0, op: str = ALL_REDUCE
+    ) -> float:
         """Seconds per call of ``calls`` calls of ``fn`` (CUDA-graph replay on GPUs)."""
         if self.synthetic_timer is not None:
             fn()
-            return float(self.synthetic_timer(label, size))
+            return float(self.synthetic_timer(label, size, op))
 
         if self.cuda and (label != "fallback" or self.graph_fallback):
             graph = torch.cuda.CUDAGraph()
@@ -109,39 +162,44 @@ class Measurement:
         return (time.perf_counter() - start) / calls
 
     def bucket(
-        self, dtype: str, lo: int, size: int, hi: int, budget_s: float
+        self,
+        dtype: str,
+        lo: int,
+        size: int,
+        hi: int,
+        budget_s: float,
+        op: str = ALL_REDUCE,
     ) -> dict[str, Any] | None:
-        """Measures one size bucket; None when the communicator declines that size."""
+        """Measures ``op`` on a message of ``size`` bytes (a collective's: a multiple of world
+        x 16 bytes, ``sweep.message_size``) for the bucket [lo, hi); None when the kernels cannot
+        run that size (then only the fallback could)."""
         numel = size // DTYPES[dtype].itemsize
-        x = _exact_input(self.ar.rank, numel, DTYPES[dtype]).to(self.ar.device)
-        if self.ar.supports(x) is not None:
+        case = _case(self.ar, op, numel, DTYPES[dtype])
+        if op == ALL_REDUCE and self.ar.supports(case.x) is not None:
             return None
-        expected = _exact_sum(self.ar.world_size, numel, DTYPES[dtype])
-        y = torch.empty_like(x)
         self.restore()
-        incumbent = self.ar.chosen_tactic(x)
-        contenders = self._runnable(x, dtype, incumbent)
-
-        def call() -> None:
-            self.ar.all_reduce(x, out=y)
-
-        contenders = self._correct(contenders, dtype, call, y, expected, size)
+        incumbent = self.ar.tactic(op, case.x)
+        contenders = self._runnable(case.x, dtype, incumbent, op)
+        if set(contenders) <= {"fallback"}:
+            return None
+        contenders = self._correct(contenders, dtype, case, size, op)
         if not contenders:
             raise TuneError(
-                f"no tactic and not even the fallback gave the exact sum at {size} "
+                f"no tactic and not even the fallback gave the exact {op} at {size} "
                 f"bytes {dtype}: nothing to choose from"
             )
-        samples = self._rounds(contenders, dtype, call, budget_s, incumbent, size)
+        samples = self._rounds(contenders, dtype, case.call, budget_s, incumbent, size, op)
         stats = {label: median_and_error(times) for label, times in samples.items()}
         winner, ratio, margin = keep_or_replace(incumbent, samples, self.min_margin)
         self.measured += len(samples)
         return {
+            "op": op,
             "dtype": dtype,
             "bytes": size,
             "min_bytes": lo,
             "max_bytes": hi,
             "winner": winner,
-            "columns": contenders[winner],
+            "columns": row_prefix(op) + contenders[winner],
             "time_us": stats[winner][0] * 1e6,
             "noise_pct": stats[winner][1] * 100,
             "fallback_us": stats["fallback"][0] * 1e6 if "fallback" in stats else float("nan"),
@@ -154,39 +212,41 @@ class Measurement:
             "measured": {label: stats[label][0] * 1e6 for label in stats},
         }
 
-    def _runnable(self, x: Any, dtype: str, incumbent: str) -> dict[str, str]:
-        """label -> columns of every candidate the communicator can run at this size; the
-        incumbent is always among them (it may use a shape the sweep does not try)."""
+    def _runnable(self, x: Any, dtype: str, incumbent: str, op: str) -> dict[str, str]:
+        """label -> columns of every candidate the communicator can run for ``op`` at this
+        size; the incumbent is always among them (it may use a shape the sweep does not try)."""
         out: dict[str, str] = {}
-        for c in self.candidates:
-            self.install(c.columns, dtype)
-            if self.ar.chosen_tactic(x) == c.label:
+        for c in self.candidates(op):
+            self.install(c.columns, dtype, op)
+            if self.ar.tactic(op, x) == c.label:
                 out[c.label] = c.columns
         out.setdefault(incumbent, columns_of_label(incumbent))
         return out
 
     def _correct(
-        self, contenders: dict[str, str], dtype: str, call: Any, y: Any, expected: Any, size: int
+        self, contenders: dict[str, str], dtype: str, case: _Case, size: int, op: str
     ) -> dict[str, str]:
-        """Correctness first: a contender that gives a wrong sum on any rank is excluded, with
-        a warning that names it."""
+        """Correctness first: a contender that gives a wrong result on any rank (one bit off
+        the exact reference) is excluded, with a warning that names it and its operation."""
         mine = []
         for columns in contenders.values():
-            self.install(columns, dtype)
-            y.fill_(0)
-            call()
+            self.install(columns, dtype, op)
+            case.y.fill_(0)
+            case.call()
             self.sync()
-            mine.append(bool(torch.equal(y.cpu(), expected)))
+            mine.append(bool(torch.equal(case.y.cpu(), case.expected)))
         everyone = self.ar.gather(mine, "tune: correctness")
         ok: dict[str, str] = {}
         for i, (label, columns) in enumerate(contenders.items()):
             wrong = [r for r, flags in enumerate(everyone) if not flags[i]]
             if wrong:
                 self.excluded.append(
-                    {"tactic": label, "dtype": dtype, "bytes": size, "ranks": wrong}
+                    {"op": op, "tactic": label, "dtype": dtype, "bytes": size, "ranks": wrong}
                 )
                 logger.warning(
-                    "pcie_allreduce tune: %s gave a wrong sum at %d bytes %s on ranks %s: excluded",
+                    "pcie_allreduce tune: %s %s gave a wrong result at %d bytes %s on ranks %s: "
+                    "excluded",
+                    op,
                     label,
                     size,
                     dtype,
@@ -204,6 +264,7 @@ class Measurement:
         budget_s: float,
         incumbent: str,
         size: int,
+        op: str = ALL_REDUCE,
     ) -> dict[str, list[float]]:
         """Interleaved rounds (each contender timed once per round, in a rotating order). After
         the minimum rounds only the finalists (within 25 % of the best, and the incumbent) are
@@ -213,9 +274,9 @@ class Measurement:
         labels = list(contenders)
         probe = []
         for label in labels:
-            self.install(contenders[label], dtype)
+            self.install(contenders[label], dtype, op)
             call()
-            probe.append(self._timed(call, 3, label, size))
+            probe.append(self._timed(call, 3, label, size, op))
         slowest = [max(col) for col in zip(*self.ar.gather(probe, "tune: probe"))]
         # Blocks short enough that the minimum rounds fit in half the bucket's budget.
         block = min(_BLOCK_SECONDS, budget_s / (2 * _MIN_ROUNDS * len(labels)))
@@ -229,9 +290,9 @@ class Measurement:
             order = active[round_no % len(active) :] + active[: round_no % len(active)]
             mine = {}
             for label in order:
-                self.install(contenders[label], dtype)
+                self.install(contenders[label], dtype, op)
                 call()
-                mine[label] = self._timed(call, calls[label], label, size)
+                mine[label] = self._timed(call, calls[label], label, size, op)
             everyone = self.ar.gather(
                 {"t": mine, "elapsed": time.perf_counter() - start}, "tune: round"
             )

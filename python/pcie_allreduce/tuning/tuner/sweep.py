@@ -1,6 +1,7 @@
-"""What a tune measures: every candidate (each tactic the plan layer supports here, in every
-(blocks, threads) shape worth trying on this transport, then the fallback) at every size bucket,
-and a candidate's table columns."""
+"""What a tune measures: for each operation it tunes (the all-reduce, whose rows the fused op
+uses too, the reduce-scatter and the all-gather), every candidate (each tactic the plan layer
+builds for that operation here, in every (blocks, threads) shape worth trying on this transport,
+then the fallback) at every size bucket, and a candidate's table columns."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ _HOST_SHAPES = ((1, 32), (2, 32))  # (blocks, threads): the host executor ignore
 _CUDA_SHAPES = tuple((b, t) for b in (4, 8, 16, 32) for t in (256, 512))
 _FALLBACK_ROW = "fallback,,,,,"
 
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
+# The operations a tune measures, each against its own fallback. The fused all-reduce + add +
+# RMSNorm has no rows of its own: the all-reduce's rows decide it.
+TUNED_OPS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
+_CHUNK_BYTES = 16  # a collective's chunk on each rank is whole 16-byte vectors
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -24,11 +31,37 @@ class Candidate:
     columns: str
 
 
+def row_prefix(op: str) -> str:
+    """What a table row's algorithm column starts with when the row decides ``op``: nothing
+    for the all-reduce, ``reduce_scatter:`` / ``all_gather:`` for a collective."""
+    return "" if op == ALL_REDUCE else f"{op}:"
+
+
+def op_of_algorithm(algorithm: str) -> str:
+    """The operation a row decides, from its algorithm column (``reduce_scatter:twoshot``)."""
+    return algorithm.split(":", 1)[0] if ":" in algorithm else ALL_REDUCE
+
+
+def message_size(op: str, size: int, world: int) -> int:
+    """The size a bucket measures ``op`` at: the bucket's size for the all-reduce; for a
+    collective, whose message is the whole tensor (reduce-scatter's input, all-gather's output)
+    split into one chunk of whole 16-byte vectors per rank, the bucket's size rounded down to a
+    multiple of ``world`` x 16 bytes (0: the bucket is too small to measure)."""
+    if op == ALL_REDUCE:
+        return size
+    step = world * _CHUNK_BYTES
+    return size // step * step
+
+
 def candidates(
-    transport: str, world: int, island_of: Sequence[int], max_blocks: int
+    transport: str,
+    world: int,
+    island_of: Sequence[int],
+    max_blocks: int,
+    op: str = ALL_REDUCE,
 ) -> list[Candidate]:
-    """Every tactic the plan layer supports here, in every (blocks, threads) shape worth
-    trying on this transport, then the fallback."""
+    """Every tactic the plan layer builds for ``op`` here, in every (blocks, threads) shape
+    worth trying on this transport, then the fallback (for a collective: the group's own)."""
     shapes = _HOST_SHAPES if transport == policy.HOST_SHM else _CUDA_SHAPES
     out: list[Candidate] = []
     for algorithm in ALGORITHMS:
@@ -37,7 +70,7 @@ def candidates(
                 for protocol in PROTOCOLS:
                     if (
                         _C.why_unsupported(
-                            algorithm, world, list(island_of), direction, staged, protocol
+                            algorithm, world, list(island_of), direction, staged, protocol, op
                         )
                         is not None
                     ):
