@@ -107,12 +107,18 @@ def rank_tactics(
     return rows
 
 
+def row_prefix(collective: str) -> str:
+    """What a table row's algorithm column starts with when the row decides ``collective``:
+    nothing for the all-reduce, ``reduce_scatter:`` / ``all_gather:`` for the others."""
+    return "" if collective == "all_reduce" else f"{collective}:"
+
+
 def _tactic_columns(best: dict[str, Any], judged: int, collective: str = "all_reduce") -> str:
     """Table columns 6.. of a derived row: the tactic and its launch shape (a reduce-scatter's
     or all-gather's algorithm named after its collective, ``reduce_scatter:twoshot``)."""
     blocks, threads = launch_shape(best["protocol"], judged)
-    kind = "" if collective == "all_reduce" else f"{collective}:"
-    text = f"{kind}{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},{threads}"
+    tactic = f"{best['algorithm']},{best['direction']},{int(best['staged'])},{blocks},{threads}"
+    text = row_prefix(collective) + tactic
     return text + ("" if best["protocol"] == "flag" else f",{best['protocol']}")
 
 

@@ -182,11 +182,9 @@ class BlockPass {
     uint8_t* base = nullptr;
     switch (ref.space) {
       case Space::kInput:
-        base = static_cast<uint8_t*>(const_cast<void*>(call_.input));
-        first_vec += plan::chunk_shift(num_vecs_, program_.num_chunks, chunk, stride_vecs_);
-        break;
       case Space::kOutput:
-        base = static_cast<uint8_t*>(call_.output);
+        base = static_cast<uint8_t*>(ref.space == Space::kInput ? const_cast<void*>(call_.input)
+                                                                : call_.output);
         first_vec += plan::chunk_shift(num_vecs_, program_.num_chunks, chunk, stride_vecs_);
         break;
       case Space::kSlot:

@@ -27,6 +27,7 @@ from ..decision import (
     median_and_error,
     ratio_and_error,
 )
+from ..model import row_prefix
 from .sweep import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -34,7 +35,6 @@ from .sweep import (
     Candidate,
     candidates,
     columns_of_label,
-    row_prefix,
 )
 
 logger = logging.getLogger("pcie_allreduce")

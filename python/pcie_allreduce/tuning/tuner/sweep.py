@@ -11,15 +11,16 @@ from dataclasses import dataclass
 from ... import policy
 from ...native import _C
 from ...plan import ALGORITHMS, PROTOCOLS
+from ..model import COLLECTIVES
 
 _HOST_SHAPES = ((1, 32), (2, 32))  # (blocks, threads): the host executor ignores threads
 _CUDA_SHAPES = tuple((b, t) for b in (4, 8, 16, 32) for t in (256, 512))
 _FALLBACK_ROW = "fallback,,,,,"
 
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
-# The operations a tune measures, each against its own fallback. The fused all-reduce + add +
-# RMSNorm has no rows of its own: the all-reduce's rows decide it.
-TUNED_OPS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
+# The operations a tune measures, each against its own fallback: the collectives with table rows
+# of their own. The fused all-reduce + add + RMSNorm has none: the all-reduce's rows decide it.
+TUNED_OPS = COLLECTIVES
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = COLLECTIVES
 _CHUNK_BYTES = 16  # a collective's chunk on each rank is whole 16-byte vectors
 
 
@@ -29,12 +30,6 @@ class Candidate:
 
     label: str
     columns: str
-
-
-def row_prefix(op: str) -> str:
-    """What a table row's algorithm column starts with when the row decides ``op``: nothing
-    for the all-reduce, ``reduce_scatter:`` / ``all_gather:`` for a collective."""
-    return "" if op == ALL_REDUCE else f"{op}:"
 
 
 def op_of_algorithm(algorithm: str) -> str:
