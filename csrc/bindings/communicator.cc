@@ -35,7 +35,7 @@ comm::Op op_from_name(const std::string& name) { return parse_or_throw(comm::kOp
 
 // stats() as Python has always shown it: the all-reduce's calls and declines at the top, the
 // fused call's as fused_calls / fused_declines, and collectives[name] = {calls, declines} for
-// each other collective that ran at all.
+// each other op (the collectives, the other fused forms) that ran at all.
 py::dict stats_dict(const comm::Stats& s) {
   py::dict out;
   out["calls"] = s.of(comm::kAllReduce).calls;
@@ -45,7 +45,8 @@ py::dict stats_dict(const comm::Stats& s) {
   out["fused_calls"] = s.of(comm::kAllReduceAddRmsNorm).calls;
   out["fused_declines"] = s.of(comm::kAllReduceAddRmsNorm).declines;
   py::dict collectives;
-  for (const comm::Op op : {comm::kReduceScatter, comm::kAllGather}) {
+  for (const comm::Op op : comm::kOpNames.values()) {
+    if (op == comm::kAllReduce || op == comm::kAllReduceAddRmsNorm) continue;  // shown above
     const comm::OpStats& o = s.of(op);
     if (o.calls.empty()) continue;  // every decline is a call too
     py::dict entry;
@@ -83,20 +84,29 @@ comm::Stats stats_from_dict(const py::dict& d) {
 
 // try_run's result: the decline reason, or what the op wrote (out; the fused call's (out,
 // residual_out)).
-using TryResult = std::variant<std::string, at::Tensor, std::tuple<at::Tensor, at::Tensor>>;
+using TryResult = std::variant<std::string, at::Tensor, std::tuple<at::Tensor, at::Tensor>,
+                               std::tuple<at::Tensor, at::Tensor, at::Tensor>>;
 
 // The tensors Python passed for `op` (None: not passed; an output None is the call's to allocate,
 // into `out` and `residual_out`).
-comm::OpArgs op_args(comm::Op op, const at::Tensor& inp, at::Tensor& out,
-                     const std::optional<at::Tensor>& residual,
-                     const std::optional<at::Tensor>& weight, at::Tensor& residual_out,
-                     double eps) {
+// The fused forms' operands beside x and the outputs.
+struct FusedOperands {
+  std::optional<at::Tensor> residual, weight, scale;
+  double eps = 0.0;
+  double weight_offset = 0.0;
+};
+
+comm::OpArgs op_args(comm::Op op, const at::Tensor& inp, at::Tensor& out, const FusedOperands& f,
+                     at::Tensor& residual_out, at::Tensor& block_scale) {
   comm::OpArgs args{inp, out};
-  if (comm::has_epilogue(op)) {  // run() and check() raise for a missing residual or weight
-    args.residual = residual ? &*residual : nullptr;
-    args.weight = weight ? &*weight : nullptr;
+  if (comm::has_epilogue(op)) {  // run() and check() raise for a missing or extra operand
+    args.residual = f.residual ? &*f.residual : nullptr;
+    args.weight = f.weight ? &*f.weight : nullptr;
+    args.scale = f.scale ? &*f.scale : nullptr;
     args.residual_out = &residual_out;
-    args.eps = eps;
+    args.block_scale = &block_scale;
+    args.eps = f.eps;
+    args.weight_offset = f.weight_offset;
   }
   return args;
 }
@@ -104,13 +114,17 @@ comm::OpArgs op_args(comm::Op op, const at::Tensor& inp, at::Tensor& out,
 TryResult try_run(comm::Communicator& c, const std::string& name, const at::Tensor& inp,
                   std::optional<at::Tensor> out, std::optional<at::Tensor> residual,
                   std::optional<at::Tensor> weight, double eps,
-                  std::optional<at::Tensor> residual_out) {
+                  std::optional<at::Tensor> residual_out, std::optional<at::Tensor> scale,
+                  double weight_offset, std::optional<at::Tensor> block_scale) {
   const comm::Op op = op_from_name(name);
   at::Tensor result = out.value_or(at::Tensor());
   at::Tensor result_residual = residual_out.value_or(at::Tensor());
-  const comm::OpArgs args = op_args(op, inp, result, residual, weight, result_residual, eps);
+  at::Tensor result_scale = block_scale.value_or(at::Tensor());
+  const comm::OpArgs args = op_args(op, inp, result, {residual, weight, scale, eps, weight_offset},
+                                    result_residual, result_scale);
   const comm::Decline d = c.run(op, args, comm::OnDecline::kReturn);
   if (d != comm::Decline::kNone) return std::string(comm::decline_name(d));
+  if (comm::is_nvfp4(op)) return std::make_tuple(result, result_residual, result_scale);
   if (comm::has_epilogue(op)) return std::make_tuple(result, result_residual);
   return result;
 }
@@ -234,7 +248,9 @@ void bind_communicator(py::module_& m) {
           "The tactic label that would run it, or the op's fallback label (fallback, unfused).")
       .def("try_run", &try_run, py::arg("op"), py::arg("inp"), py::arg("out") = py::none(),
            py::arg("residual") = py::none(), py::arg("weight") = py::none(), py::arg("eps") = 0.0,
-           py::arg("residual_out") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           py::arg("residual_out") = py::none(), py::arg("scale") = py::none(),
+           py::arg("weight_offset") = 0.0, py::arg("block_scale") = py::none(),
+           py::call_guard<py::gil_scoped_release>(),
            "Runs `op` on the kernels when they take it and returns what it wrote (out, or the "
            "fused call's (out, residual_out); allocated when not given); otherwise returns the "
            "decline reason, touching nothing and counting nothing (the caller runs its own "
@@ -243,15 +259,20 @@ void bind_communicator(py::module_& m) {
           "check",
           [](const Communicator& c, const std::string& name, const at::Tensor& inp,
              std::optional<at::Tensor> out, std::optional<at::Tensor> residual,
-             std::optional<at::Tensor> weight, std::optional<at::Tensor> residual_out) {
+             std::optional<at::Tensor> weight, std::optional<at::Tensor> residual_out,
+             std::optional<at::Tensor> scale, double weight_offset,
+             std::optional<at::Tensor> block_scale) {
             const comm::Op op = op_from_name(name);
             at::Tensor given = out.value_or(at::Tensor());
             at::Tensor given_residual = residual_out.value_or(at::Tensor());
-            c.check(op, op_args(op, inp, given, residual, weight, given_residual, 0.0));
+            at::Tensor given_scale = block_scale.value_or(at::Tensor());
+            c.check(op, op_args(op, inp, given, {residual, weight, scale, 0.0, weight_offset},
+                                given_residual, given_scale));
           },
           py::arg("op"), py::arg("inp"), py::arg("out") = py::none(),
           py::arg("residual") = py::none(), py::arg("weight") = py::none(),
-          py::arg("residual_out") = py::none(),
+          py::arg("residual_out") = py::none(), py::arg("scale") = py::none(),
+          py::arg("weight_offset") = 0.0, py::arg("block_scale") = py::none(),
           "Raises what a call of `op` with these tensors raises before any rank talks "
           "(ValueError; RuntimeError for autograd's rules), and does nothing else. An output "
           "left None is one the call allocates.")

@@ -34,7 +34,7 @@ using torch::autograd::variable_list;
 using Functional = at::Tensor(const at::Tensor&, int64_t);
 using Sized = at::Tensor(const at::Tensor&, int64_t, int64_t);
 using Fused = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, double, int64_t);
+                                                 const at::Tensor&, double, int64_t, double);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -63,10 +63,11 @@ at::Tensor all_gather(const at::Tensor& x, int64_t world, int64_t handle) {
 }
 
 std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& x, const at::Tensor& residual,
-                                         const at::Tensor& weight, double eps, int64_t handle) {
+                                         const at::Tensor& weight, double eps, int64_t handle,
+                                         double weight_offset) {
   static const auto handle_op = op<Fused>("all_reduce_add_rms_norm");
   at::AutoDispatchBelowADInplaceOrView guard;
-  return handle_op.call(x, residual, weight, eps, handle);
+  return handle_op.call(x, residual, weight, eps, handle, weight_offset);
 }
 
 bool tracked(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
@@ -102,13 +103,14 @@ struct DimZero : torch::autograd::Function<DimZero<kScatter>> {
 // rms_norm's backward at residual_out r, in fp32: with rstd = 1 / sqrt(mean(r^2) + eps),
 // n = r * rstd and g = grad_y * weight, grad_r = rstd * (g - n * mean(g * n)) + grad_residual_out
 // and grad_weight = the sum over rows of grad_y * n; residual's gradient is grad_r, x's is its
-// sum over the ranks.
+// sum over the ranks. With a weight offset (Gemma) the weight is weight + offset in g.
 struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const at::Tensor& residual, const at::Tensor& weight, double eps,
-                               int64_t handle) {
-    auto [y, residual_out] = fused(x, residual, weight, eps, handle);
+                               int64_t handle, double weight_offset) {
+    auto [y, residual_out] = fused(x, residual, weight, eps, handle, weight_offset);
     ctx->saved_data["eps"] = eps;
+    ctx->saved_data["weight_offset"] = weight_offset;
     ctx->saved_data["handle"] = handle;
     ctx->save_for_backward({residual_out, weight});
     return {y, residual_out};
@@ -123,7 +125,8 @@ struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
     const at::Tensor n = r.mul(rstd);
     const at::Tensor gy =
         grads[0].defined() ? grads[0].to(at::kFloat) : at::zeros_like(r, r.options());
-    const at::Tensor g = gy.mul(weight.to(at::kFloat));
+    const at::Tensor g =
+        gy.mul(weight.to(at::kFloat).add(ctx->saved_data["weight_offset"].toDouble()));
     at::Tensor grad_r = rstd.mul(g.sub(n.mul(g.mul(n).mean(-1, /*keepdim=*/true))));
     if (grads[1].defined()) grad_r = grad_r.add(grads[1].to(at::kFloat));
     grad_r = grad_r.to(residual_out.scalar_type()).contiguous();
@@ -133,8 +136,9 @@ struct AddRmsNorm : torch::autograd::Function<AddRmsNorm> {
     if (ctx->needs_input_grad(2)) {
       grad_weight = gy.mul(n).reshape({-1, n.size(-1)}).sum(0).to(weight.scalar_type());
     }
-    return {grad_x, ctx->needs_input_grad(1) ? grad_r : at::Tensor(), grad_weight, at::Tensor(),
-            at::Tensor()};
+    return {grad_x,       ctx->needs_input_grad(1) ? grad_r : at::Tensor(),
+            grad_weight,  at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -156,11 +160,11 @@ at::Tensor all_gather_autograd(const at::Tensor& x, int64_t world, int64_t handl
 
 std::tuple<at::Tensor, at::Tensor> fused_autograd(const at::Tensor& x, const at::Tensor& residual,
                                                   const at::Tensor& weight, double eps,
-                                                  int64_t handle) {
+                                                  int64_t handle, double weight_offset) {
   if (!(at::GradMode::is_enabled() && (tracked(x) || tracked(residual) || tracked(weight)))) {
-    return fused(x, residual, weight, eps, handle);
+    return fused(x, residual, weight, eps, handle, weight_offset);
   }
-  const variable_list out = AddRmsNorm::apply(x, residual, weight, eps, handle);
+  const variable_list out = AddRmsNorm::apply(x, residual, weight, eps, handle, weight_offset);
   return {out[0], out[1]};
 }
 

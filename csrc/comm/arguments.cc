@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <optional>
 #include <stdexcept>
 #include <string_view>
 #include <vector>
 
 #include "plan/layout.h"
+#include "plan/quant.h"
 
 namespace pcie_ar::comm {
 namespace {
@@ -51,14 +53,17 @@ struct Operand {
   bool given() const { return tensor != nullptr && tensor->defined(); }
 };
 
-enum Slot : size_t { kInput, kOut, kResidual, kWeight, kResidualOut };
+enum Slot : size_t { kInput, kOut, kResidual, kWeight, kResidualOut, kScale, kBlockScale };
+constexpr size_t kSlots = 7;
 
-std::array<Operand, 5> operands(Op op, const OpArgs& a) {
+std::array<Operand, kSlots> operands(Op op, const OpArgs& a) {
   return {{{has_epilogue(op) ? "x" : "the input", &a.inp},
            {"out", &a.out},
            {"residual", a.residual},
            {"weight", a.weight},
-           {"residual_out", a.residual_out}}};
+           {"residual_out", a.residual_out},
+           {"scale", a.scale},
+           {"block_scale", a.block_scale}}};
 }
 
 // ------------------------------------------------------------------ the device
@@ -189,7 +194,8 @@ const char* tracked_read(Op op, const OpArgs& a) {
       tracked(a.residual)) {
     return "residual";
   }
-  return tracked(a.weight) ? "weight" : nullptr;
+  if (tracked(a.weight)) return "weight";
+  return tracked(a.scale) ? "scale" : nullptr;
 }
 
 namespace {
@@ -227,61 +233,141 @@ void check_all_reduce(Op op, const at::Tensor& inp, const at::Tensor& out) {
   check_written(op, out, "out", out.is_same(inp) ? "the input" : nullptr);
 }
 
-// One of the fused call's outputs (out, which may be x; residual_out, which may be residual):
-// shaped like x, overlapping no input but the one it may be. The weight is read while both are
-// written, so it overlaps neither.
-void check_fused_output(Op op, const OpArgs& a, Slot output, Slot may_be) {
-  const std::array<Operand, 5> named = operands(op, a);
+// One of the fused call's outputs (out, which may be x; residual_out, which may be residual;
+// `may_be` is the operand it may be in place of, if any): shaped like x, of x's dtype or `dtype`,
+// overlapping no input but the one it may be. The weight (and the scale) are read while both are
+// written, so they overlap neither. The forms without a residual write y while their sum is still
+// read, and a quantised out (y_q) has its own dtype: they are in place of nothing.
+// `sizes` empty: x's. Every output is checked against every operand; the outputs against each
+// other in check_fused.
+void check_fused_output(Op op, const OpArgs& a, Slot output, std::optional<Slot> may_be,
+                        at::ScalarType dtype, std::vector<int64_t> sizes = {}) {
+  const std::array<Operand, kSlots> named = operands(op, a);
   const Operand& o = named[output];
   if (!o.given()) return;
   const at::Tensor& t = *o.tensor;
-  if (!like(t, a.inp)) {
-    throw std::invalid_argument(prefix(op) + o.name +
-                                " must have x's dtype, shape and device: x is a " +
-                                describe(a.inp) + ", " + o.name + " a " + describe(t));
+  const bool x_shaped = sizes.empty();
+  if (x_shaped) sizes = a.inp.sizes().vec();
+  if (t.scalar_type() != dtype || !t.sizes().equals(sizes) || t.device() != a.inp.device()) {
+    const std::string what =
+        dtype == a.inp.scalar_type() && x_shaped
+            ? " must have x's dtype, shape and device"
+            : " must be " + torch_name(dtype) + " " +
+                  (x_shaped ? "with x's shape" : c10::str(at::IntArrayRef(sizes))) +
+                  " on x's device";
+    throw std::invalid_argument(prefix(op) + o.name + what + ": x is a " + describe(a.inp) + ", " +
+                                o.name + " a " + describe(t));
   }
-  const char* of = named[may_be].name;
-  const bool in_place = t.is_same(*named[may_be].tensor);
-  for (const Slot i : {kInput, kResidual, kWeight}) {  // the other output: check_fused
-    if ((i == may_be && in_place) || !may_overlap(t, *named[i].tensor)) continue;
-    throw std::invalid_argument(prefix(op) + o.name + " overlaps " + named[i].name +
-                                (i == may_be ? " without being " + std::string(of) : "") + "; " +
-                                o.name + " may be " + of +
-                                " (in place) but may not overlap any other operand: pass " + of +
-                                " itself or a disjoint tensor");
+  const char* of = may_be ? named[*may_be].name : nullptr;
+  const bool in_place = may_be && named[*may_be].given() && t.is_same(*named[*may_be].tensor);
+  for (const Slot i : {kInput, kResidual, kWeight, kScale}) {  // the other output: check_fused
+    if (!named[i].given() || (i == may_be && in_place) || !may_overlap(t, *named[i].tensor)) {
+      continue;
+    }
+    throw std::invalid_argument(
+        prefix(op) + o.name + " overlaps " + named[i].name +
+        (i == may_be ? " without being " + std::string(of) : "") + "; " + o.name +
+        (of ? " may be " + std::string(of) + " (in place) but" : "") +
+        " may not overlap any other operand: pass " +
+        (of ? std::string(of) + " itself or " : std::string()) + "a disjoint tensor");
   }
   check_written(op, t, o.name, in_place ? of : nullptr);
 }
 
+// A quantised form's scale: one fp32 on x's device (vLLM's per-tensor scale tensor; NVFP4's
+// global scale).
+void check_scale(Op op, const OpArgs& a) {
+  if (a.scale == nullptr || !a.scale->defined()) {
+    throw std::invalid_argument(prefix(op) +
+                                "needs scale, the static per-tensor scale (one torch.float32)");
+  }
+  const at::Tensor& scale = *a.scale;
+  if (scale.scalar_type() != at::kFloat || scale.numel() != 1) {
+    throw std::invalid_argument(prefix(op) +
+                                "scale must be one torch.float32 element on x's device (the "
+                                "static per-tensor scale); got a " +
+                                describe(scale));
+  }
+}
+
+// NVFP4 quantises blocks of 16 elements of a row of bf16 or fp16, as vLLM's scaled_fp4_quant.
+void check_nvfp4(Op op, const OpArgs& a) {
+  const at::Tensor& x = a.inp;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf) {
+    throw std::invalid_argument(prefix(op) +
+                                "quantises bf16 or fp16 x to NVFP4 (as vLLM's "
+                                "scaled_fp4_quant); got a " +
+                                describe(x));
+  }
+  if (x.size(-1) % plan::kNvfp4Block != 0) {
+    throw std::invalid_argument(prefix(op) + "needs hidden (x's last dimension) a multiple of " +
+                                std::to_string(plan::kNvfp4Block) + ", NVFP4's block; got a " +
+                                describe(x));
+  }
+}
+
 void check_fused(Op op, const OpArgs& a) {
   const at::Tensor& x = a.inp;
-  if (a.residual == nullptr || a.weight == nullptr || !a.residual->defined() ||
-      !a.weight->defined()) {
-    throw std::invalid_argument(prefix(op) + "needs residual and weight tensors");
+  const bool adds = has_residual(op);
+  if (adds && (a.residual == nullptr || !a.residual->defined())) {
+    throw std::invalid_argument(prefix(op) + "needs a residual tensor");
   }
-  const at::Tensor& residual = *a.residual;
+  if (!adds && a.residual != nullptr && a.residual->defined()) {
+    throw std::invalid_argument(prefix(op) + "takes no residual (its residual_out is the sum)");
+  }
+  if (a.weight == nullptr || !a.weight->defined()) {
+    throw std::invalid_argument(prefix(op) + "needs a weight tensor");
+  }
   const at::Tensor& weight = *a.weight;
   if (x.dim() < 1) {
     throw std::invalid_argument(
         prefix(op) + "needs x of at least one dimension (rows of hidden); got a " + describe(x));
   }
   const int64_t hidden = x.size(-1);
-  if (!like(residual, x)) {
+  if (adds && !like(*a.residual, x)) {
     throw std::invalid_argument(prefix(op) +
                                 "residual must have x's dtype, shape and device: x is a " +
-                                describe(x) + ", residual a " + describe(residual));
+                                describe(x) + ", residual a " + describe(*a.residual));
+  }
+  if (!std::isfinite(a.weight_offset)) {
+    throw std::invalid_argument(prefix(op) + "weight_offset must be finite (0, or 1 for Gemma's " +
+                                "weight convention); got " + std::to_string(a.weight_offset));
+  }
+  if (is_quantised(op)) {
+    check_scale(op, a);
+  } else if (a.scale != nullptr && a.scale->defined()) {
+    throw std::invalid_argument(prefix(op) + "takes no scale (its output is not quantised)");
+  }
+  if (!is_nvfp4(op) && a.block_scale != nullptr && a.block_scale->defined()) {
+    throw std::invalid_argument(prefix(op) + "takes no block_scale (only NVFP4 has block scales)");
   }
   if (weight.dim() != 1 || weight.size(0) != hidden) {
     throw std::invalid_argument(prefix(op) + "weight must be [hidden] = [" +
                                 std::to_string(hidden) + "] on x's device: x is a " + describe(x) +
                                 ", weight a " + describe(weight));
   }
-  check_fused_output(op, a, kOut, kInput);
-  check_fused_output(op, a, kResidualOut, kResidual);
-  if (a.out.defined() && a.residual_out != nullptr && a.residual_out->defined() &&
-      may_overlap(a.out, *a.residual_out)) {
-    throw std::invalid_argument(prefix(op) +
-                                "out overlaps residual_out; the two outputs must be disjoint");
+  const std::optional<Slot> y_in_place =
+      adds && !is_quantised(op) ? std::optional(kInput) : std::nullopt;
+  if (is_nvfp4(op)) {
+    check_nvfp4(op, a);
+    std::vector<int64_t> packed = x.sizes().vec();
+    packed.back() = hidden / 2;
+    check_fused_output(op, a, kOut, std::nullopt, at::kByte, packed);
+    check_fused_output(op, a, kBlockScale, std::nullopt, at::kFloat8_e4m3fn, nvfp4_scale_sizes(x));
+  } else {
+    check_fused_output(op, a, kOut, y_in_place,
+                       is_quantised(op) ? at::kFloat8_e4m3fn : x.scalar_type());
+  }
+  check_fused_output(op, a, kResidualOut, adds ? std::optional(kResidual) : std::nullopt,
+                     x.scalar_type());
+  const std::array<Operand, kSlots> named = operands(op, a);
+  for (const auto& [first, second] : {std::pair{kOut, kResidualOut}, std::pair{kOut, kBlockScale},
+                                      std::pair{kResidualOut, kBlockScale}}) {
+    if (named[first].given() && named[second].given() &&
+        may_overlap(*named[first].tensor, *named[second].tensor)) {
+      throw std::invalid_argument(prefix(op) + named[first].name + " overlaps " +
+                                  named[second].name + "; the outputs must be disjoint");
+    }
   }
 }
 
@@ -331,6 +417,12 @@ void check_args(Op op, const OpArgs& a, int world, std::optional<int> device) {
   } else {
     check_all_reduce(op, a.inp, a.out);
   }
+}
+
+std::vector<int64_t> nvfp4_scale_sizes(const at::Tensor& x) {
+  const int64_t hidden = x.size(-1);
+  const int64_t rows = hidden == 0 ? 0 : x.numel() / hidden;
+  return {plan::nvfp4_padded_rows(rows), 4 * plan::nvfp4_k_tiles(hidden)};
 }
 
 bool executor_ready(const at::Tensor& t) {

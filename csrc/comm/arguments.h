@@ -6,14 +6,17 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/op.h"
 
 namespace pcie_ar::comm {
 
 // The tensors of one call. inp and out for every op (out may be inp: in place; an undefined out
-// is allocated by the call); the fused call also reads residual and weight and writes
-// residual_out (which may be residual: in place; undefined: allocated).
+// is allocated by the call); the fused calls also read weight (and residual, in the forms that
+// add one) and write residual_out (which may be residual: in place; undefined: allocated; in the
+// forms without a residual, the sum). A quantised form's out is y_q (FP8: float8_e4m3fn shaped
+// like x; NVFP4: uint8 [..., hidden / 2], two e2m1 codes a byte) and reads the fp32 scale.
 struct OpArgs {
   const at::Tensor& inp;
   at::Tensor& out;
@@ -21,6 +24,11 @@ struct OpArgs {
   const at::Tensor* weight = nullptr;
   at::Tensor* residual_out = nullptr;
   double eps = 0.0;
+  double weight_offset = 0.0;  // plan::EpilogueArgs::weight_offset (Gemma: 1)
+  const at::Tensor* scale = nullptr;
+  // NVFP4's block scales (written; undefined: allocated): float8_e4m3fn [round_up(rows, 128),
+  // round_up(hidden / 16, 4)] in vLLM's swizzled layout (plan/quant.h).
+  at::Tensor* block_scale = nullptr;
 };
 
 // Raises std::invalid_argument (or std::runtime_error for the autograd rules torch's own in-place
@@ -44,6 +52,9 @@ const char* tracked_read(Op op, const OpArgs& args);
 // Anything else is staged through a contiguous copy (the path never depends on a tensor's
 // layout).
 bool executor_ready(const at::Tensor& t);
+
+// NVFP4's block scales for x: [round_up(rows, 128), round_up(hidden / 16, 4)] (plan/quant.h).
+std::vector<int64_t> nvfp4_scale_sizes(const at::Tensor& x);
 
 // "Float [32, 32] on cpu", for messages.
 std::string describe(const at::Tensor& t);

@@ -192,9 +192,12 @@ void Communicator::set_table(const std::string& text, const std::string& source)
 Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
   const CallGuard guard(*this, busy_);
   raise_if_failed();
-  if (has_epilogue(op) && (!args.residual || !args.weight || !args.residual_out)) {
+  if (has_epilogue(op) && (!args.weight || !args.residual_out)) {
     throw std::invalid_argument(std::string(op_name(op)) +
-                                " needs residual, weight and residual_out tensors");
+                                " needs weight and residual_out tensors");
+  }
+  if (is_nvfp4(op) && !args.block_scale) {
+    throw std::invalid_argument(std::string(op_name(op)) + " needs a block_scale tensor");
   }
   if (on_decline == OnDecline::kReturn && at::GradMode::is_enabled() &&
       tracked_read(op, args) != nullptr) {
@@ -204,7 +207,13 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
     return Decline::kAutograd;
   }
   if (!args.out.defined()) {  // the all-reduce's is shaped like its input: no sizes to build
-    if (op.collective == plan::Collective::kAllReduce) {
+    if (is_nvfp4(op) && args.inp.dim() >= 1) {  // y_q: two e2m1 codes a byte
+      std::vector<int64_t> sizes = args.inp.sizes().vec();
+      sizes.back() /= 2;
+      args.out = at::empty(sizes, args.inp.options().dtype(at::kByte));
+    } else if (is_quantised(op)) {  // y_q
+      args.out = at::empty(args.inp.sizes(), args.inp.options().dtype(at::kFloat8_e4m3fn));
+    } else if (op.collective == plan::Collective::kAllReduce) {
       args.out = at::empty(args.inp.sizes(), args.inp.options());
     } else {
       std::vector<int64_t> sizes = args.inp.sizes().vec();
@@ -213,7 +222,11 @@ Decline Communicator::run(Op op, OpArgs args, OnDecline on_decline) {
     }
   }
   if (has_epilogue(op) && !args.residual_out->defined()) {
-    *args.residual_out = at::empty(args.residual->sizes(), args.residual->options());
+    *args.residual_out = at::empty(args.inp.sizes(), args.inp.options());
+  }
+  if (is_nvfp4(op) && !args.block_scale->defined() && args.inp.dim() >= 1) {
+    *args.block_scale =
+        at::empty(nvfp4_scale_sizes(args.inp), args.inp.options().dtype(at::kFloat8_e4m3fn));
   }
   check(op, args);
   return execute(op, args, on_decline);
@@ -231,22 +244,24 @@ Decline Communicator::execute(Op op, const OpArgs& args, OnDecline on_decline) {
   const Staged staged(op, args);
   if (staged.any) counters_.staged();
   if (decline == Decline::kNone) {
-    run_kernels(op, plan, admission, staged, args.eps);
+    run_kernels(op, plan, admission, staged);
   } else {
     note_decline(op, decline, args.inp);
-    run_fallback(op, staged, args.eps);
+    run_fallback(op, staged);
   }
   staged.copy_back(args);
   return decline;
 }
 
-void Communicator::run_fallback(Op op, const Staged& s, double eps) {
+void Communicator::run_fallback(Op op, const Staged& s) {
   if (has_epilogue(op)) {
     // The all-reduce as this communicator does it (kernels or the group's; an empty one meets no
     // one), then the add and the norm with the fused kernels' rounding points.
-    at::Tensor sum = s.out;
+    at::Tensor sum = s.sum;
     execute(kAllReduce, OpArgs{s.inp, sum}, OnDecline::kFallback);
-    add_rms_norm_in_order(sum, s.residual, s.weight, eps, s.out, s.residual_out);
+    rms_norm_in_order(
+        sum, {s.residual, s.weight, s.scale, s.eps, s.weight_offset, op.quant, s.block_scale},
+        s.out, s.residual_out);
     return;
   }
   // A call takes a generation only once it has met its peers, so that no rank is ever two calls

@@ -157,13 +157,12 @@ class Communicator {
     const Decision& first() const { return whole != nullptr ? *whole : *decisions.front(); }
   };
   CallPlan plan_call(Op op, const Admission& admission, const at::Tensor& inp);
-  void run_kernels(Op op, const CallPlan& plan, const Admission& admission, const Staged& s,
-                   double eps);
+  void run_kernels(Op op, const CallPlan& plan, const Admission& admission, const Staged& s);
   // One call of the kernels over `round` of the message: the whole of it (index -1), or round
   // `index` of a streamed one (of each chunk's elements where `chunk`, CallPlan::chunk, is not 0).
   void run_round(Op op, const Decision& decision, plan::Round round, int index, int64_t chunk,
-                 const Admission& admission, const Staged& s, double eps);
-  void run_fallback(Op op, const Staged& s, double eps);
+                 const Admission& admission, const Staged& s);
+  void run_fallback(Op op, const Staged& s);
   // The group's own collective did not complete (timed out, or interrupted): the communicator is
   // failed, as after a kernel timeout, and the call raises Failure (Interrupted).
   [[noreturn]] void group_failed(GroupWait waited);

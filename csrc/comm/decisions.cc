@@ -46,7 +46,8 @@ std::optional<std::string> Decisions::why_not_runnable(const plan::TableRow& row
 const InstalledProgram& Decisions::program_for(Op op, const plan::Tactic& tactic) {
   const auto key =
       std::make_tuple(static_cast<int>(tactic.algorithm), static_cast<int>(tactic.direction),
-                      tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol), op_index(op));
+                      tactic.staged ? 1 : 0, static_cast<int>(tactic.protocol),
+                      op_index(program_op(op)));  // every fused form runs one program
   auto it = programs_.find(key);
   if (it != programs_.end()) return *it->second;
   plan::Schedule schedule =

@@ -33,6 +33,10 @@ enum class Decline : uint8_t {
   // grad. The forms that write given tensors have no derivative, so the caller's own path, which
   // keeps the graph, runs the call (the torch ops raise instead: their caller has no other path).
   kAutograd = 15,
+  // A quantised fused form this communicator's executor does not run (NVFP4 on the CUDA
+  // executor, for now): the unfused path (the kernels' all-reduce, then the same epilogue in
+  // torch) gives the same bytes.
+  kQuant = 16,
 };
 inline constexpr auto kDeclineNames = plan::name_table<Decline>(
     "decline reason", {{Decline::kNone, "none"},
@@ -50,7 +54,8 @@ inline constexpr auto kDeclineNames = plan::name_table<Decline>(
                        {Decline::kMisaligned, "misaligned"},
                        {Decline::kMultiHost, "multi_host"},
                        {Decline::kHidden, "hidden"},
-                       {Decline::kAutograd, "autograd"}});
+                       {Decline::kAutograd, "autograd"},
+                       {Decline::kQuant, "quant"}});
 inline constexpr size_t kDeclineCount = kDeclineNames.entries.size();
 
 // "unknown" for a value outside the enum.

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "comm/op.h"
+#include "plan/epilogue.h"
 
 namespace c10d {
 class Work;
@@ -43,12 +44,28 @@ GroupWait run_group_collective(Op op, const Group& group, const at::Tensor& inp,
 // rethrown).
 GroupWait await_bounded(c10d::Work& work, const Group& group);
 
-// residual_out = sum + residual, out = rms_norm(residual_out) * weight, each row of
-// sum.size(-1) elements, every fp32 step one IEEE operation in plan/epilogue.h's order: given the
-// same sum, the fused kernels' result bit for bit (NaN payloads aside), so a row does not change
-// when a batch that holds it runs unfused. `out` may be `sum` and `residual_out` `residual`.
-void add_rms_norm_in_order(const at::Tensor& sum, const at::Tensor& residual,
-                           const at::Tensor& weight, double eps, const at::Tensor& out,
-                           const at::Tensor& residual_out);
+// The fused epilogue's operands beside the sum and the outputs: residual (undefined: the forms
+// without one), weight, and the quantised output's: its kind, scale (kFp8E4m3: the static scale;
+// kNvfp4: the global scale G; one fp32 each, undefined for kNone) and, for kNvfp4, block_scale:
+// the whole tensor of block scales, [round_up(rows, 128), round_up(hidden / 16, 4)] uint8 or
+// float8_e4m3fn in plan/quant.h's swizzled layout, padding included (the fallback's call holds
+// every row of the tensor: first_row 0, total_rows = rows).
+struct EpilogueOperands {
+  at::Tensor residual, weight, scale;
+  double eps = 0.0;
+  double weight_offset = 0.0;
+  plan::Quant quant = plan::Quant::kNone;
+  at::Tensor block_scale;
+};
+
+// plan/epilogue.h's epilogue, each row of sum.size(-1) elements, every fp32 step one IEEE
+// operation in its order: residual_out = sum + residual (or the sum), y = rms_norm(residual_out)
+// * (weight + weight_offset), out = y or its quantised form (plan/quant.h: kFp8E4m3's y_q is
+// float8_e4m3fn shaped like y; kNvfp4's is uint8 [rows, hidden / 2], and its block scales go to
+// e.block_scale). Given the same sum,
+// the fused kernels' result bit for bit (NaN payloads aside), so a row does not change when a
+// batch that holds it runs unfused. `out` may be `sum`, `residual_out` `e.residual` or `sum`.
+void rms_norm_in_order(const at::Tensor& sum, const EpilogueOperands& e, const at::Tensor& out,
+                       const at::Tensor& residual_out);
 
 }  // namespace pcie_ar::comm

@@ -60,13 +60,13 @@ Communicator::CallPlan Communicator::plan_call(Op op, const Admission& a, const 
 }
 
 void Communicator::run_kernels(Op op, const CallPlan& plan, const Admission& admission,
-                               const Staged& s, double eps) {
+                               const Staged& s) {
   if (plan.whole != nullptr) {
-    run_round(op, *plan.whole, plan::Round{0, admission.message}, -1, 0, admission, s, eps);
+    run_round(op, *plan.whole, plan::Round{0, admission.message}, -1, 0, admission, s);
   } else {
     for (size_t k = 0; k < plan.rounds.size(); ++k) {
       run_round(op, *plan.decisions[k], plan.rounds[k], static_cast<int>(k), plan.chunk, admission,
-                s, eps);
+                s);
     }
   }
   // One call, counted under the tactic of its first round.
@@ -81,8 +81,7 @@ void Communicator::run_kernels(Op op, const CallPlan& plan, const Admission& adm
 // touch only chunk `rank` of it (plan::verify proves it), so no byte outside the tensor is read or
 // written; the address is formed as an integer, never dereferenced below the tensor.
 void Communicator::run_round(Op op, const Decision& decision, plan::Round round, int index,
-                             int64_t chunk, const Admission& admission, const Staged& s,
-                             double eps) {
+                             int64_t chunk, const Admission& admission, const Staged& s) {
   const int64_t elem = plan::dtype_bytes(admission.dtype);
   const int64_t world = options_.world;
   const int64_t numel = chunk != 0 ? round.numel * world : round.numel;
@@ -100,20 +99,35 @@ void Communicator::run_round(Op op, const Decision& decision, plan::Round round,
   call.blocks = decision.tactic.blocks;
   call.threads = decision.tactic.threads;
   call.input = input_is_chunk(op) ? chunk_base(s.inp) : at(s.inp);
-  call.output = output_is_chunk(op) ? chunk_base(s.out) : at(s.out);
+  call.output = output_is_chunk(op) ? chunk_base(s.out) : at(s.sum);
   call.numel = numel;
   call.chunk_stride = chunk;
   call.signature = decision.signature;
   call.stream = current_stream(workspace_->device());
   if (has_epilogue(op)) {
-    call.epilogue.residual = at(s.residual);
-    call.epilogue.residual_out = at(s.residual_out);
-    call.epilogue.weight = s.weight.data_ptr();
-    call.epilogue.hidden = s.inp.size(-1);
-    call.epilogue.eps = static_cast<float>(eps);
-    // Ranks that disagree on eps or the row length fail at once, naming each other.
-    call.signature =
-        plan::epilogue_signature(decision.signature, call.epilogue.eps, call.epilogue.hidden);
+    plan::EpilogueArgs& e = call.epilogue;
+    e.residual = has_residual(op) ? at(s.residual) : nullptr;
+    e.residual_out = at(s.residual_out);
+    e.weight = s.weight.data_ptr();
+    e.hidden = s.inp.size(-1);
+    // y_q has one byte an element (FP8) or two elements a byte (NVFP4): the round's rows start
+    // round.offset bytes in, or half that. NVFP4's block scales are placed by row index.
+    e.y = is_quantised(op) ? nullptr : at(s.out);
+    e.y_q = is_quantised(op) ? static_cast<uint8_t*>(s.out.data_ptr()) +
+                                   (is_nvfp4(op) ? round.offset / 2 : round.offset)
+                             : nullptr;
+    e.scale = is_quantised(op) ? s.scale.data_ptr<float>() : nullptr;
+    e.quant = op.quant;
+    if (is_nvfp4(op)) {
+      e.block_scale = static_cast<uint8_t*>(s.block_scale.data_ptr());
+      e.first_row = round.offset / e.hidden;
+      e.total_rows = admission.message / e.hidden;
+    }
+    e.eps = static_cast<float>(s.eps);
+    e.weight_offset = static_cast<float>(s.weight_offset);
+    // Ranks that disagree on the epilogue's form, eps, weight offset or row length fail at
+    // once, naming each other.
+    call.signature = plan::epilogue_signature(decision.signature, e);
   }
   if (index >= 0) call.signature = plan::round_signature(call.signature, admission.message, index);
   try {

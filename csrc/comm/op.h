@@ -9,21 +9,26 @@
 #include <optional>
 #include <string_view>
 
+#include "plan/epilogue.h"
 #include "plan/names.h"
 #include "plan/tactic.h"
 
 namespace pcie_ar::comm {
 
 // What runs after the reduction, on this rank's own rows (plan/epilogue.h). Explicit and
-// append-only; a quantised output would be one more value here.
+// append-only.
 enum class Epilogue : uint8_t {
   kNone = 0,
   kAddRmsNorm = 1,  // residual_out = sum + residual, out = rms_norm(residual_out) * weight
+  kRmsNorm = 2,     // residual_out = sum, out = rms_norm(sum) * weight (a model's first layer)
 };
 
+// The epilogue's output may also be quantised (plan::Quant): then the op returns y_q, never y
+// (and NVFP4's block scales).
 struct Op {
   plan::Collective collective = plan::Collective::kAllReduce;
   Epilogue epilogue = Epilogue::kNone;
+  plan::Quant quant = plan::Quant::kNone;
 
   constexpr bool operator==(const Op&) const = default;
 };
@@ -32,6 +37,15 @@ inline constexpr Op kAllReduce{};
 inline constexpr Op kAllReduceAddRmsNorm{plan::Collective::kAllReduce, Epilogue::kAddRmsNorm};
 inline constexpr Op kReduceScatter{plan::Collective::kReduceScatter};
 inline constexpr Op kAllGather{plan::Collective::kAllGather};
+inline constexpr Op kAllReduceRmsNorm{plan::Collective::kAllReduce, Epilogue::kRmsNorm};
+inline constexpr Op kAllReduceAddRmsNormFp8{plan::Collective::kAllReduce, Epilogue::kAddRmsNorm,
+                                            plan::Quant::kFp8E4m3};
+inline constexpr Op kAllReduceRmsNormFp8{plan::Collective::kAllReduce, Epilogue::kRmsNorm,
+                                         plan::Quant::kFp8E4m3};
+inline constexpr Op kAllReduceAddRmsNormNvfp4{plan::Collective::kAllReduce, Epilogue::kAddRmsNorm,
+                                              plan::Quant::kNvfp4};
+inline constexpr Op kAllReduceRmsNormNvfp4{plan::Collective::kAllReduce, Epilogue::kRmsNorm,
+                                           plan::Quant::kNvfp4};
 
 // Every operation and its public name (the torch op's and the Python API's). The position in
 // this table is the op's row in the stats table and part of its decisions' key.
@@ -39,7 +53,12 @@ inline constexpr auto kOpNames =
     plan::name_table<Op>("operation", {{kAllReduce, "all_reduce"},
                                        {kAllReduceAddRmsNorm, "all_reduce_add_rms_norm"},
                                        {kReduceScatter, "reduce_scatter"},
-                                       {kAllGather, "all_gather"}});
+                                       {kAllGather, "all_gather"},
+                                       {kAllReduceRmsNorm, "all_reduce_rms_norm"},
+                                       {kAllReduceAddRmsNormFp8, "all_reduce_add_rms_norm_fp8"},
+                                       {kAllReduceRmsNormFp8, "all_reduce_rms_norm_fp8"},
+                                       {kAllReduceAddRmsNormNvfp4, "all_reduce_add_rms_norm_nvfp4"},
+                                       {kAllReduceRmsNormNvfp4, "all_reduce_rms_norm_nvfp4"}});
 inline constexpr size_t kOpCount = kOpNames.entries.size();
 
 constexpr size_t op_index(Op op) {
@@ -52,6 +71,15 @@ inline std::string_view op_name(Op op) { return kOpNames.name_of(op); }
 inline std::optional<Op> find_op(std::string_view name) { return kOpNames.find(name); }
 
 constexpr bool has_epilogue(Op op) { return op.epilogue != Epilogue::kNone; }
+// The fused forms that add a residual (and return residual_out = sum + residual); the others
+// return the sum itself as their residual_out.
+constexpr bool has_residual(Op op) { return op.epilogue == Epilogue::kAddRmsNorm; }
+constexpr bool is_quantised(Op op) { return op.quant != plan::Quant::kNone; }
+constexpr bool is_nvfp4(Op op) { return op.quant == plan::Quant::kNvfp4; }
+// The fused form without its epilogue's options: the table row and program every fused op runs.
+constexpr Op program_op(Op op) {
+  return Op{op.collective, has_epilogue(op) ? Epilogue::kAddRmsNorm : Epilogue::kNone};
+}
 
 // The stats label of a call the kernels did not run: the fused call's own unfused path, or the
 // group's own collective.

@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--hidden", type=int, default=4096, help="--fused: elements per row")
     b.add_argument(
+        "--quant",
+        choices=["fp8", "nvfp4"],
+        default=None,
+        help="--fused: quantise y (FP8 at a static scale, or NVFP4), timed beside the plain "
+        "fused call, the unfused path with the quantisation in torch, and the fallback's",
+    )
+    b.add_argument(
         "--workspace",
         type=_parse_bytes,
         default=None,

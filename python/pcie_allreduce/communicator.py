@@ -17,12 +17,21 @@ from typing import Any, NamedTuple
 import torch
 
 from .lifecycle import Lifecycle
-from .native import _C
-
-# The extension's names of the operations (``_C.operations()``), what ``try_run`` takes.
-ALL_REDUCE, FUSED = "all_reduce", "all_reduce_add_rms_norm"
-REDUCE_SCATTER, ALL_GATHER = "reduce_scatter", "all_gather"
-OPS = (ALL_REDUCE, FUSED, REDUCE_SCATTER, ALL_GATHER)
+from .native import _C, _nvfp4_outputs
+from .operations import (  # noqa: F401 - the names, exported here as before
+    ALL_GATHER,
+    ALL_REDUCE,
+    FUSED,
+    FUSED_FORMS,
+    FUSED_FP4,
+    FUSED_FP8,
+    NORM,
+    NORM_FP4,
+    NORM_FP8,
+    OPS,
+    QUANTS,
+    REDUCE_SCATTER,
+)
 
 
 class TorchOps(NamedTuple):
@@ -45,6 +54,11 @@ TORCH_OPS = {
     FUSED: TorchOps(_op(FUSED), _op(f"{FUSED}_into"), _op(f"{FUSED}_"), False),
     REDUCE_SCATTER: TorchOps(_op("reduce_scatter"), _op("reduce_scatter_into"), None, True),
     ALL_GATHER: TorchOps(_op("all_gather"), _op("all_gather_into"), None, True),
+    NORM: TorchOps(_op(NORM), _op(f"{NORM}_into"), None, False),
+    FUSED_FP8: TorchOps(_op(FUSED_FP8), _op(f"{FUSED_FP8}_into"), None, False),
+    NORM_FP8: TorchOps(_op(NORM_FP8), _op(f"{NORM_FP8}_into"), None, False),
+    FUSED_FP4: TorchOps(_op(FUSED_FP4), _op(f"{FUSED_FP4}_into"), None, False),
+    NORM_FP4: TorchOps(_op(NORM_FP4), _op(f"{NORM_FP4}_into"), None, False),
 }
 _ALL_REDUCE = TORCH_OPS[ALL_REDUCE]
 
@@ -166,6 +180,9 @@ class PcieAllReduce(Lifecycle):
         weight: torch.Tensor | None = None,
         eps: float = 0.0,
         residual_out: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+        weight_offset: float = 0.0,
+        block_scale: torch.Tensor | None = None,
     ) -> tuple[Any, str | None]:
         """One decision, for a caller with a path of its own (the engine adapters): a single
         call into the extension (without the GIL) runs ``op`` (:data:`OPS`) with input ``x``
@@ -179,7 +196,18 @@ class PcieAllReduce(Lifecycle):
         operand the call reads that requires grad (an engine's ``nn.Parameter`` weight outside
         its inference mode) declines ``autograd`` where the torch op raises, since the caller's
         path keeps the graph."""
-        got = self._comm.try_run(op, x, out, residual, weight, float(eps), residual_out)
+        got = self._comm.try_run(
+            op,
+            x,
+            out,
+            residual,
+            weight,
+            float(eps),
+            residual_out,
+            scale,
+            float(weight_offset),
+            block_scale,
+        )
         return (None, got) if isinstance(got, str) else (got, None)
 
     def _run(self, op: str, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -214,6 +242,7 @@ class PcieAllReduce(Lifecycle):
         *,
         out: torch.Tensor | None = None,
         residual_out: torch.Tensor | None = None,
+        weight_offset: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The end of a decoder layer, fused: ``residual_out = sum_ranks(x) + residual`` and
         ``y = rms_norm(residual_out) * weight``; returns ``(y, residual_out)``.
@@ -232,22 +261,86 @@ class PcieAllReduce(Lifecycle):
         A call the kernels decline (``fused_decline_reason``) runs the group's all-reduce, then
         the same add and norm in torch."""
         ops, args = TORCH_OPS[FUSED], (x, residual, weight, float(eps), self.handle)
+        offset = float(weight_offset)
         if out is None and residual_out is None:
-            return ops.new(*args)
+            return ops.new(*args, offset)
         if out is x and residual_out is residual:
-            ops.in_place(*args)
+            ops.in_place(*args, offset)
             return x, residual
         if out is x or residual_out is residual:
             # One in place, one not: the ops' schemas keep each written tensor apart from the
             # inputs, so form both results anew and copy them back, after the check the op
             # would make of the caller's outputs (before any rank talks).
-            self._comm.check(FUSED, x, out, residual, weight, residual_out)
-            y, r = ops.new(*args)
+            self._comm.check(FUSED, x, out, residual, weight, residual_out, None, offset)
+            y, r = ops.new(*args, offset)
             out = y if out is None else out.copy_(y)
             return out, (r if residual_out is None else residual_out.copy_(r))
         out = torch.empty_like(x) if out is None else out
         residual_out = torch.empty_like(residual) if residual_out is None else residual_out
-        ops.into(*args, out, residual_out)
+        ops.into(*args, out, residual_out, offset)
+        return out, residual_out
+
+    def all_reduce_rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        residual: torch.Tensor | None = None,
+        weight_offset: float = 0.0,
+        quant: str | None = None,
+        scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+        block_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Every fused form of the end of a decoder layer (the forms vLLM's all-reduce fusion
+        matches), one call: ``r = sum_ranks(x) + residual`` (without ``residual``: ``r`` is the
+        sum itself, a model's first layer), ``y = rms_norm(r) * (weight + weight_offset)``
+        (``weight_offset=1``: Gemma's convention, the offset added in fp32), and ``y`` rounded
+        to ``x``'s dtype, then optionally quantised:
+
+        - ``quant="fp8"``: ``torch.float8_e4m3fn`` at the static per-tensor ``scale`` (one
+          ``torch.float32``), as vLLM's ``static_scaled_fp8_quant``:
+          ``clamp(float(y) * (1 / scale), -448, 448)`` rounded to nearest even, a NaN giving 448.
+        - ``quant="nvfp4"`` (bf16 or fp16 ``x``, ``hidden`` a multiple of 16): e2m1 codes in
+          blocks of 16, two a byte (``uint8 [..., hidden / 2]``, the even element in the low
+          nibble), and one float8_e4m3fn scale a block in vLLM's swizzled 128x4 layout
+          (``block_scale``, ``[round_up(rows, 128), round_up(hidden / 16, 4)]``), at the global
+          ``scale`` (vLLM's ``input_global_scale``), as vLLM's ``scaled_fp4_quant`` lays it out
+          (plan/quant.h: its reciprocals are IEEE here, approximate on vLLM's GPU).
+
+        Returns ``(y or y_q, r)``, and NVFP4's ``block_scale`` third. A quantised form never
+        stores ``y``. Numerics as :meth:`all_reduce_add_rms_norm`: bitwise equal on every rank,
+        and a row's result does not depend on the other rows of the batch. ``out``,
+        ``residual_out`` and ``block_scale`` (new tensors where None) receive the results; with a
+        residual and no ``quant``, the in-place forms of :meth:`all_reduce_add_rms_norm` apply.
+        A call the kernels decline runs the group's all-reduce, then the same epilogue in
+        torch."""
+        if quant is not None and quant not in QUANTS:
+            raise ValueError(f"quant must be None, 'fp8' or 'nvfp4'; got {quant!r}")
+        op = FUSED_FORMS[(residual is not None, quant)]
+        if residual is not None and quant is None:
+            return self.all_reduce_add_rms_norm(
+                x, residual, weight, eps, out=out, residual_out=residual_out,
+                weight_offset=weight_offset,
+            )  # fmt: skip
+        head: tuple = (x,) if residual is None else (x, residual)
+        head += (weight,) if quant is None else (weight, scale)
+        args = (*head, float(eps), self.handle)
+        ops, offset = TORCH_OPS[op], float(weight_offset)
+        if out is None and residual_out is None and block_scale is None:
+            return tuple(ops.new(*args, offset))
+        residual_out = torch.empty_like(x) if residual_out is None else residual_out
+        if quant == "nvfp4":
+            y_q, scales = _nvfp4_outputs(x)
+            out = y_q if out is None else out
+            scales = scales if block_scale is None else block_scale
+            ops.into(*args, out, residual_out, scales, offset)
+            return out, residual_out, scales
+        if out is None:
+            out = torch.empty_like(x, dtype=torch.float8_e4m3fn if quant else x.dtype)
+        ops.into(*args, out, residual_out, offset)
         return out, residual_out
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The compiled extension, loaded once, when the runtime first needs it.
 
 Loading ``pcie_allreduce._C`` runs its ``TORCH_LIBRARY`` block, which defines the torch ops
-``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}`` and the fused
-``all_reduce_add_rms_norm{,_,_into}``, ``reduce_scatter{,_into}`` and
+``torch.ops.pcie_allreduce.{all_reduce, all_reduce_, all_reduce_into}``, the fused
+``all_reduce_add_rms_norm{,_,_into}``, ``all_reduce_rms_norm{,_into}`` and the quantised
+``all_reduce_{add_,}rms_norm_{fp8,nvfp4}{,_into}``, ``reduce_scatter{,_into}`` and
 ``all_gather{,_into}``, and the functional ops' derivatives (``csrc/bindings/derivatives.cc``,
 so autograd never passes one by silently); this module then registers their fake
 implementations, so ``torch.compile`` can trace a call before any op runs, and their Meta
@@ -41,19 +42,30 @@ def _all_reduce_into_fake(inp: torch.Tensor, handle: int, out: torch.Tensor) -> 
     return None
 
 
+def _like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
 @torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm")
 def _all_reduce_add_rms_norm_fake(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    handle: int,
+    weight_offset: float = 0.0,
 ):
-    return (
-        torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
-    )
+    return _like(x), _like(residual)
 
 
 @torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm_")
 def _all_reduce_add_rms_norm_inplace_fake(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, handle: int
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    handle: int,
+    weight_offset: float = 0.0,
 ) -> None:
     return None
 
@@ -67,8 +79,89 @@ def _all_reduce_add_rms_norm_into_fake(
     handle: int,
     out: torch.Tensor,
     residual_out: torch.Tensor,
+    weight_offset: float = 0.0,
 ) -> None:
     return None
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_rms_norm")
+def _all_reduce_rms_norm_fake(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, handle: int, weight_offset: float = 0.0
+):
+    return _like(x), _like(x)
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm_fp8")
+def _all_reduce_add_rms_norm_fp8_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    handle: int,
+    weight_offset: float = 0.0,
+):
+    return _like(x, torch.float8_e4m3fn), _like(residual)
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_rms_norm_fp8")
+def _all_reduce_rms_norm_fp8_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    handle: int,
+    weight_offset: float = 0.0,
+):
+    return _like(x, torch.float8_e4m3fn), _like(x)
+
+
+def _nvfp4_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's y_q (two e2m1 codes a byte) and its swizzled block scales (plan/quant.h)."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden if hidden else 0
+    padded_rows = (rows + 127) // 128 * 128
+    columns = (hidden // 16 + 3) // 4 * 4
+    y_q = torch.empty((*x.shape[:-1], hidden // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((padded_rows, columns), dtype=torch.float8_e4m3fn, device=x.device)
+    return y_q, scales
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_add_rms_norm_nvfp4")
+def _all_reduce_add_rms_norm_nvfp4_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    handle: int,
+    weight_offset: float = 0.0,
+):
+    y_q, scales = _nvfp4_outputs(x)
+    return y_q, _like(residual), scales
+
+
+@torch.library.register_fake("pcie_allreduce::all_reduce_rms_norm_nvfp4")
+def _all_reduce_rms_norm_nvfp4_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    handle: int,
+    weight_offset: float = 0.0,
+):
+    y_q, scales = _nvfp4_outputs(x)
+    return y_q, _like(x), scales
+
+
+for _into in (
+    "all_reduce_rms_norm_into",
+    "all_reduce_add_rms_norm_fp8_into",
+    "all_reduce_rms_norm_fp8_into",
+    "all_reduce_add_rms_norm_nvfp4_into",
+    "all_reduce_rms_norm_nvfp4_into",
+):
+    torch.library.register_fake(f"pcie_allreduce::{_into}")(lambda *args, **kwargs: None)
 
 
 def _collective_shape(inp: torch.Tensor, world: int, scatter: bool) -> list:
@@ -111,24 +204,99 @@ def _refuse(
     residual: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+    block_scale: torch.Tensor | None = None,
 ) -> NoReturn:
-    _C.lookup_communicator(handle).check(op, inp, out, residual, weight, residual_out)
+    _C.lookup_communicator(handle).check(
+        op, inp, out, residual, weight, residual_out, scale, weight_offset, block_scale
+    )
     raise ValueError(f"{op}: an operand is on the meta device, which holds no data to communicate")
 
 
 _FUSED = "all_reduce_add_rms_norm"
+_NORM, _FUSED_FP8, _NORM_FP8 = "all_reduce_rms_norm", f"{_FUSED}_fp8", "all_reduce_rms_norm_fp8"
+_FUSED_FP4, _NORM_FP4 = f"{_FUSED}_nvfp4", "all_reduce_rms_norm_nvfp4"
+
+
+def _fused_nvfp4_into_meta(
+    x, residual, weight, scale, eps, handle, out, residual_out, block_scale, weight_offset=0.0
+):
+    _refuse(
+        _FUSED_FP4,
+        handle,
+        x,
+        out,
+        residual,
+        weight,
+        residual_out,
+        scale,
+        weight_offset,
+        block_scale,
+    )
+
+
 _META_KERNELS: dict[str, Any] = {
     "all_reduce": lambda inp, handle: _refuse("all_reduce", handle, inp),
     "all_reduce_": lambda inp, handle: _refuse("all_reduce", handle, inp, inp),
     "all_reduce_into": lambda inp, handle, out: _refuse("all_reduce", handle, inp, out),
-    _FUSED: lambda x, residual, weight, eps, handle: _refuse(
-        _FUSED, handle, x, None, residual, weight
+    _FUSED: lambda x, residual, weight, eps, handle, weight_offset=0.0: _refuse(
+        _FUSED, handle, x, None, residual, weight, weight_offset=weight_offset
     ),
-    f"{_FUSED}_": lambda x, residual, weight, eps, handle: _refuse(
-        _FUSED, handle, x, x, residual, weight, residual
+    f"{_FUSED}_": lambda x, residual, weight, eps, handle, weight_offset=0.0: _refuse(
+        _FUSED, handle, x, x, residual, weight, residual, weight_offset=weight_offset
     ),
-    f"{_FUSED}_into": lambda x, residual, weight, eps, handle, out, residual_out: _refuse(
-        _FUSED, handle, x, out, residual, weight, residual_out
+    f"{_FUSED}_into": (
+        lambda x, residual, weight, eps, handle, out, residual_out, weight_offset=0.0: _refuse(
+            _FUSED, handle, x, out, residual, weight, residual_out, None, weight_offset
+        )
+    ),
+    _NORM: lambda x, weight, eps, handle, weight_offset=0.0: _refuse(
+        _NORM, handle, x, None, None, weight, weight_offset=weight_offset
+    ),
+    f"{_NORM}_into": lambda x, weight, eps, handle, out, residual_out, weight_offset=0.0: _refuse(
+        _NORM, handle, x, out, None, weight, residual_out, None, weight_offset
+    ),
+    _FUSED_FP8: lambda x, residual, weight, scale, eps, handle, weight_offset=0.0: _refuse(
+        _FUSED_FP8, handle, x, None, residual, weight, None, scale, weight_offset
+    ),
+    f"{_FUSED_FP8}_into": (
+        lambda x, residual, weight, scale, eps, handle, out, residual_out, weight_offset=0.0: (
+            _refuse(
+                _FUSED_FP8, handle, x, out, residual, weight, residual_out, scale, weight_offset
+            )
+        )
+    ),
+    _NORM_FP8: lambda x, weight, scale, eps, handle, weight_offset=0.0: _refuse(
+        _NORM_FP8, handle, x, None, None, weight, None, scale, weight_offset
+    ),
+    f"{_NORM_FP8}_into": (
+        lambda x, weight, scale, eps, handle, out, residual_out, weight_offset=0.0: _refuse(
+            _NORM_FP8, handle, x, out, None, weight, residual_out, scale, weight_offset
+        )
+    ),
+    _FUSED_FP4: lambda x, residual, weight, scale, eps, handle, weight_offset=0.0: _refuse(
+        _FUSED_FP4, handle, x, None, residual, weight, None, scale, weight_offset
+    ),
+    f"{_FUSED_FP4}_into": _fused_nvfp4_into_meta,
+    _NORM_FP4: lambda x, weight, scale, eps, handle, weight_offset=0.0: _refuse(
+        _NORM_FP4, handle, x, None, None, weight, None, scale, weight_offset
+    ),
+    f"{_NORM_FP4}_into": (
+        lambda x, weight, scale, eps, handle, out, residual_out, block_scale, weight_offset=0.0: (
+            _refuse(
+                _NORM_FP4,
+                handle,
+                x,
+                out,
+                None,
+                weight,
+                residual_out,
+                scale,
+                weight_offset,
+                block_scale,
+            )
+        )
     ),
     "reduce_scatter": lambda inp, world, handle: _refuse("reduce_scatter", handle, inp),
     "reduce_scatter_into": lambda inp, handle, out: _refuse("reduce_scatter", handle, inp, out),

@@ -788,7 +788,12 @@ void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
         CHECK_CUDA(cudaMemcpy(res[r], side.inputs[0].data(), bytes, cudaMemcpyHostToDevice));
         CHECK_CUDA(
             cudaMemcpy(weight[r], side.inputs[1].data(), hidden * eb, cudaMemcpyHostToDevice));
-        args[r] = plan::EpilogueArgs{res[r], res_out[r], weight[r], hidden, 1e-6f};
+        args[r] = plan::EpilogueArgs{.residual = res[r],
+                                     .residual_out = res_out[r],
+                                     .weight = weight[r],
+                                     .y = buf.out[r],
+                                     .hidden = hidden,
+                                     .eps = 1e-6f};
       }
       const std::string what = "world " + std::to_string(world) + " fused " +
                                plan::tactic_label(tactic) + " " +
@@ -800,8 +805,12 @@ void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
           want_r(world, std::vector<uint8_t>(bytes));
       for (int r = 0; r < world; ++r) {
         CHECK_CUDA(cudaMemcpy(want_y[r].data(), buf.out[r], bytes, cudaMemcpyDeviceToHost));
-        plan::EpilogueArgs host{side.inputs[0].data(), want_r[r].data(), side.inputs[1].data(),
-                                hidden, 1e-6f};
+        const plan::EpilogueArgs host{.residual = side.inputs[0].data(),
+                                      .residual_out = want_r[r].data(),
+                                      .weight = side.inputs[1].data(),
+                                      .y = want_y[r].data(),
+                                      .hidden = hidden,
+                                      .eps = 1e-6f};
         pcie_ar::transport::run_epilogue(dtype, want_y[r].data(), numel, host);
       }
       lb.launch(fused, dtype, tactic, buf.inputs(), buf.outputs(), numel,

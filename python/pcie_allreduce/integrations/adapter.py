@@ -30,14 +30,17 @@ from typing import Any
 
 from .. import env as env_mod
 from .. import policy
+from ..operations import (  # PcieAllReduce's operations (the extension's names)
+    ALL_GATHER,
+    ALL_REDUCE,
+    FUSED_FORMS,
+    OPS,
+    REDUCE_SCATTER,
+)
 from . import common
 
 logger = logging.getLogger("pcie_allreduce")
 
-# PcieAllReduce's operations (``communicator.OPS``, the extension's names).
-ALL_REDUCE, FUSED = "all_reduce", "all_reduce_add_rms_norm"
-REDUCE_SCATTER, ALL_GATHER = "reduce_scatter", "all_gather"
-OPS = (ALL_REDUCE, FUSED, REDUCE_SCATTER, ALL_GATHER)
 # Declines an adapter decides itself, before asking the communicator (the engine's path runs the
 # call). Like the communicator's they depend only on what every rank agrees on (shapes, dtypes,
 # the sizes list the engine passes), so every rank declines together.
@@ -164,7 +167,30 @@ class EngineSlot:
         """``(y, residual_out)``, both new tensors (``residual`` untouched), from the fused
         kernels; None when they do not take the call (counted in ``fused_declines``): the
         engine then runs its unfused all-reduce, add and norm."""
-        result = self.run(FUSED, x, residual=residual, weight=weight, eps=eps)
+        return self.all_reduce_rms_norm(x, weight, eps, residual=residual)
+
+    def all_reduce_rms_norm(
+        self,
+        x: Any,
+        weight: Any,
+        eps: float,
+        *,
+        residual: Any = None,
+        weight_offset: float = 0.0,
+        quant: str | None = None,
+        scale: Any = None,
+    ) -> Any:
+        """Any fused form (``PcieAllReduce.all_reduce_rms_norm``'s): ``(y or y_q,
+        residual_out)`` and NVFP4's block scales third, all new tensors (the inputs untouched),
+        from the fused kernels; None when they do not take the call (counted, every form, in
+        ``fused_declines``): the engine then runs its unfused all-reduce, norm and quant."""
+        op = FUSED_FORMS[(residual is not None, quant)]
+        kwargs: dict[str, Any] = {"residual": residual, "weight": weight, "eps": eps}
+        if weight_offset:
+            kwargs["weight_offset"] = weight_offset
+        if quant is not None:
+            kwargs["scale"] = scale
+        result = self.run(op, x, **kwargs)
         if result is not None:
             self._fused_routed += 1
         return result
@@ -207,7 +233,10 @@ class EngineSlot:
         ours = self._declines
         s["declines"] = _added(s.get("declines"), ours[ALL_REDUCE])
         s["engine_fallback"] = sum(ours[ALL_REDUCE].values())
-        s["fused_declines"] = _added(s.get("fused_declines"), ours[FUSED])
+        fused = collections.Counter[str]()
+        for form in FUSED_FORMS.values():
+            fused.update(ours[form])
+        s["fused_declines"] = _added(s.get("fused_declines"), fused)
         s["fused_routed"] = self._fused_routed
         merged = {
             c: {k: dict(v) for k, v in (entry or {}).items()}

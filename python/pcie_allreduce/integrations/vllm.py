@@ -15,10 +15,11 @@ Reduce-scatter and all-gather: vLLM has no slot for them, so the same communicat
 (``vllm_routes.py``): a call the kernels take runs there, every other call runs vLLM's own
 method from the class, untouched.
 
-The fused end of a layer (all-reduce + residual add + RMSNorm): where our slot is filled, a
-torch.compile post-grad pass goes into vLLM's custom post-grad pass slot and rewrites the
-pattern into one op that runs ``EngineSlot.fused_add_rms_norm`` (``vllm_fusion.py``, whose
-names this module exports).
+The fused end of a layer (all-reduce + (residual add +) RMSNorm (+ FP8 / NVFP4 quantisation),
+the eight patterns of vLLM's own all-reduce fusion): where our slot is filled, a torch.compile
+post-grad pass goes into vLLM's custom post-grad pass slot and rewrites each pattern into one
+op that runs ``EngineSlot.all_reduce_rms_norm`` (``vllm_fusion.py``, whose names this module
+exports).
 
 Every call the slot gets is decided once (the shared core, ``adapter.EngineSlot``); calls that
 stay on vLLM's path are counted per reason in ``stats()``.
@@ -42,9 +43,11 @@ from .. import policy
 from . import common
 from .adapter import ALL_REDUCE, EngineSlot
 from .vllm_fusion import (  # noqa: F401 - the pass's names, exported here as before
+    FORMS,
     FUSED_OP,
     FusedAddRmsNormRewrite,
     define_fused_op,
+    define_fused_ops,
     fusion_pass_class,
     install_fusion_pass,
 )

@@ -63,6 +63,30 @@ Results run_every_op(Communicator& c, const Tensors& t) {
   return r;
 }
 
+// One call of each fused form beside all_reduce_add_rms_norm (no residual, FP8, NVFP4 on a bf16
+// copy of the tensors: NVFP4 quantises bf16 or fp16).
+void run_other_fused_forms(Communicator& c, const Tensors& t) {
+  const at::Tensor scale = at::full({1}, 0.5f);
+  const at::Tensor x16 = t.x.to(at::kBFloat16);
+  const at::Tensor residual16 = t.residual.to(at::kBFloat16);
+  const at::Tensor weight16 = t.weight.to(at::kBFloat16);
+  for (const Op op : {kAllReduceRmsNorm, kAllReduceAddRmsNormFp8, kAllReduceRmsNormFp8,
+                      kAllReduceAddRmsNormNvfp4, kAllReduceRmsNormNvfp4}) {
+    const bool bf16 = is_nvfp4(op);
+    at::Tensor out;
+    at::Tensor residual_out;
+    at::Tensor block_scale;
+    OpArgs args{bf16 ? x16 : t.x, out};
+    args.residual = has_residual(op) ? (bf16 ? &residual16 : &t.residual) : nullptr;
+    args.weight = bf16 ? &weight16 : &t.weight;
+    args.residual_out = &residual_out;
+    args.eps = 1e-6;
+    args.scale = is_quantised(op) ? &scale : nullptr;
+    args.block_scale = is_nvfp4(op) ? &block_scale : nullptr;
+    EXPECT_EQ(c.run(op, args), Decline::kNone) << op_name(op);
+  }
+}
+
 void expect_halves_of_the_all_reduce(int rank, int world, const Tensors& t, const Results& r) {
   EXPECT_TRUE(at::equal(r.scattered, r.sum.narrow(0, rank * kRows, kRows))) << "rank " << rank;
   EXPECT_EQ(r.gathered.size(0), world * kRows);
@@ -140,6 +164,7 @@ TEST(CommunicatorStats, RestoreRoundTripsEveryOpsCounters) {
     EXPECT_EQ(c.stats().of(kAllReduce).calls.size(), 0u);
     EXPECT_EQ(c.stats().staged, 0);
     run_every_op(c, t);  // decisions made before still count
+    run_other_fused_forms(c, t);
     for (const Op op : kOpNames.values()) {
       EXPECT_EQ(c.stats().of(op).calls.size(), 1u) << op_name(op);
     }

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]
 BUILD = ROOT / "build" / "mutants"
 EXECUTOR = "transport/executors/cuda/executor.cuh"
 CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
+QUANT = "plan/quant.h"  # shadowed in the CPU device's executor only: the host's stays right
 # Run in turn against each mutant, each stopping at its first failure: the matrix of tactics,
 # then the rest (back to back across the tag wrap, the host cross-check, ranks as processes, the
 # failure paths). A mutant is killed when either fails.
@@ -171,6 +172,44 @@ MUTANTS = [
         "      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];\n",
         "      for (int e = 0; e < kElems; ++e) partials[e * kPositions + j] = acc[e];\n",
         "the partials enter the tree in another order: a row's norm depends on the layout",
+    ),
+    Mutant(
+        "epilogue_weight_offset_ignored",
+        EXECUTOR,
+        "  const float addend = plan::weight_addend(p.weight_offset);\n",
+        "  const float addend = -0.0f;\n",
+        "the weight offset is never added: a Gemma layer (offset 1) normalises with w, not w + 1",
+    ),
+    Mutant(
+        "epilogue_y_lands_in_output",
+        EXECUTOR,
+        "        if (y != nullptr) store_cg(y + base + v, y_vec);\n",
+        "        store_cg((y != nullptr ? y : out) + base + v, y_vec);\n",
+        "a call that asked for y_q alone gets y stored over its output (the sum, or residual_out "
+        "without a residual)",
+    ),
+    Mutant(
+        "fp8_scale_applied_twice",
+        EXECUTOR,
+        "              const float scaled = mul_rn(a[4 * i + k], inv_scale);\n",
+        "              const float scaled = mul_rn(mul_rn(a[4 * i + k], inv_scale), inv_scale);\n",
+        "y is divided by the scale twice before it is quantised",
+    ),
+    Mutant(
+        "fp8_quantises_unrounded_y",
+        EXECUTOR,
+        "          M::widen(y_vec, a);  // the y stored: rounded to the dtype, then widened "
+        "(exact)\n",
+        "",
+        "the fp8 output quantises the fp32 y, not y rounded to the dtype as vLLM's kernels do: "
+        "bf16 and fp16 codes differ near the midpoints",
+    ),
+    Mutant(
+        "fp8_rounds_toward_zero",
+        QUANT,
+        "    const uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;\n",
+        "    const uint32_t rounded = a >> 20;\n",
+        "normal e4m3 codes truncate instead of rounding to nearest even",
     ),
     Mutant(
         "split_ignored",

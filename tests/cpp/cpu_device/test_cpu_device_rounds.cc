@@ -534,12 +534,16 @@ std::string run_streamed_epilogue(const GroupCase& g, Placement placement, Tally
         round_res.emplace_back(bytes);
         inputs[r] = in[r].data();
         outputs[r] = whole_y[r].data();
-        args[r] =
-            plan::EpilogueArgs{residual.data(), whole_res[r].data(), weight.data(), kHidden, eps};
+        args[r] = plan::EpilogueArgs{.residual = residual.data(),
+                                     .residual_out = whole_res[r].data(),
+                                     .weight = weight.data(),
+                                     .y = outputs[r],
+                                     .hidden = kHidden,
+                                     .eps = eps};
       }
       const uint32_t fused = plan::call_signature(dtype, tactics[t], true);
       if (whole_group.launch(whole_ids[t], tactics[t], dtype, inputs, outputs, numel, options, 0,
-                             -1, plan::epilogue_signature(fused, eps, kHidden),
+                             -1, plan::epilogue_signature(fused, args[0]),
                              &args) != LaunchStatus::kCompleted) {
         return what + ": the one call failed: " + describe(whole_group);
       }
@@ -550,12 +554,16 @@ std::string run_streamed_epilogue(const GroupCase& g, Placement placement, Tally
         for (int r = 0; r < world; ++r) {
           inputs[r] = in[r].data() + at;
           outputs[r] = round_y[r].data() + at;
-          args[r] = plan::EpilogueArgs{residual.data() + at, round_res[r].data() + at,
-                                       weight.data(), kHidden, eps};
+          args[r] = plan::EpilogueArgs{.residual = residual.data() + at,
+                                       .residual_out = round_res[r].data() + at,
+                                       .weight = weight.data(),
+                                       .y = outputs[r],
+                                       .hidden = kHidden,
+                                       .eps = eps};
         }
         const uint32_t signature = plan::round_signature(
-            plan::epilogue_signature(plan::call_signature(dtype, tactics[u], true), eps, kHidden),
-            numel, static_cast<int>(k));
+            plan::epilogue_signature(plan::call_signature(dtype, tactics[u], true), args[0]), numel,
+            static_cast<int>(k));
         if (round_group.launch(round_ids[u], tactics[u], dtype, inputs, outputs, rounds[k].numel,
                                options, 0, -1, signature, &args) != LaunchStatus::kCompleted) {
           return what + ": round " + std::to_string(k) + " (" + plan::tactic_label(tactics[u]) +

@@ -759,20 +759,63 @@ TEST(Layout, SlicesCoverEveryVectorExactlyOnce) {
   }
 }
 
-// The fused call's eps and row length are part of what its peers must agree on: another eps or
-// hidden changes the signature (and so every flag, LL tag and lamport header of the call) but
-// keeps its kind and dtype, and the same ones give the same signature on every rank.
-TEST(Tactic, TheFusedCallsSignatureCarriesItsEpsAndRowLength) {
+// The fused call's form is part of what its peers must agree on: another eps, row length,
+// weight offset, quantised output or residual presence changes the signature (and so every flag,
+// LL tag and lamport header of the call) but keeps its kind and dtype, and the same form gives the
+// same signature on every rank, whatever its tensors' addresses.
+TEST(Tactic, TheFusedCallsSignatureCarriesItsForm) {
   const uint32_t fused = call_signature(DType::kBF16, Tactic{}, /*fused=*/true);
-  const uint32_t base = epilogue_signature(fused, 1e-6f, 4096);
-  EXPECT_EQ(epilogue_signature(fused, 1e-6f, 4096), base);
+  alignas(16) static uint8_t tensors[4][64];
+  const float scale = 0.5f;
+  EpilogueArgs args;
+  args.residual = tensors[0];
+  args.residual_out = tensors[1];
+  args.weight = tensors[2];
+  args.y = tensors[3];
+  args.hidden = 4096;
+  args.eps = 1e-6f;
+  const uint32_t base = epilogue_signature(fused, args);
+  EXPECT_EQ(epilogue_signature(fused, args), base);
+  // Other tensors (another rank's), the same form: the same signature.
+  EpilogueArgs elsewhere = args;
+  elsewhere.residual = tensors[1];
+  elsewhere.residual_out = tensors[1];
+  elsewhere.weight = tensors[0];
+  elsewhere.y = nullptr;
+  EXPECT_EQ(epilogue_signature(fused, elsewhere), base);
   std::set<uint32_t> seen{base};
+  auto differs = [&](const EpilogueArgs& other, const std::string& what) {
+    EXPECT_TRUE(seen.insert(epilogue_signature(fused, other)).second) << what;
+  };
   for (const float eps : {1e-5f, 1e-6f * (1.0f + 1e-7f), 0.0f, -0.0f}) {
-    EXPECT_TRUE(seen.insert(epilogue_signature(fused, eps, 4096)).second) << eps;
+    EpilogueArgs other = args;
+    other.eps = eps;
+    differs(other, "eps " + std::to_string(eps));
   }
   for (const int64_t hidden : {2048, 4104, 8192, 65536}) {
-    EXPECT_TRUE(seen.insert(epilogue_signature(fused, 1e-6f, hidden)).second) << hidden;
+    EpilogueArgs other = args;
+    other.hidden = hidden;
+    differs(other, "hidden " + std::to_string(hidden));
   }
+  for (const float offset : {1.0f, -1.0f, 0.5f, 1.0f + 1.1920929e-7f}) {
+    EpilogueArgs other = args;
+    other.weight_offset = offset;
+    differs(other, "weight_offset " + std::to_string(offset));
+  }
+  EpilogueArgs quantised = args;
+  quantised.quant = Quant::kFp8E4m3;
+  quantised.y_q = tensors[3];
+  quantised.scale = &scale;
+  differs(quantised, "fp8");
+  EpilogueArgs no_residual = args;
+  no_residual.residual = nullptr;
+  differs(no_residual, "no residual");
+  EpilogueArgs no_residual_quantised = quantised;
+  no_residual_quantised.residual = nullptr;
+  differs(no_residual_quantised, "no residual, fp8");
+  EpilogueArgs gemma_quantised = quantised;
+  gemma_quantised.weight_offset = 1.0f;
+  differs(gemma_quantised, "weight_offset 1, fp8");
   for (const uint32_t s : seen) EXPECT_EQ(s & 0xFFF00000u, fused & 0xFFF00000u);
 }
 

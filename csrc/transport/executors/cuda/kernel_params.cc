@@ -41,11 +41,20 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
 }
 
 void set_epilogue(LaunchParams& p, int rank, const plan::EpilogueArgs& args) {
-  p.residuals[rank] = args.residual;
-  p.residual_outs[rank] = args.residual_out;
-  p.weights[rank] = args.weight;
+  if (args.quant == plan::Quant::kNvfp4) {  // admission declines it (Decline::kQuant)
+    throw std::logic_error("the CUDA executor does not run the NVFP4 epilogue");
+  }
+  EpilogueTensors& t = p.epilogue[rank];
+  t.residual = args.residual;
+  t.residual_out = args.residual_out;
+  t.weight = args.weight;
+  t.y = args.y;
+  t.y_q = args.y_q;
+  t.scale = args.scale;
   p.hidden = args.hidden;
   p.eps = args.eps;
+  p.weight_offset = args.weight_offset;
+  p.quant = args.quant;
 }
 
 uint64_t timeout_to_ns(double timeout_s) {

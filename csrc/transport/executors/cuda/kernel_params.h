@@ -24,6 +24,16 @@ PCIE_AR_HD constexpr bool executor_runs_split(int num_srcs, int split) {
   return split == 0 || (num_srcs % 2 == 0 && 2 * split == num_srcs);
 }
 
+// One rank's tensors of the fused epilogue: plan::EpilogueArgs less the form every rank shares.
+struct EpilogueTensors {
+  const void* residual = nullptr;  // null: no add; residual_out is then the output (the sum)
+  void* residual_out = nullptr;
+  const void* weight = nullptr;
+  void* y = nullptr;  // null: y is never stored (only y_q is asked for)
+  void* y_q = nullptr;
+  const float* scale = nullptr;  // quant != kNone: one fp32, read once per CTA
+};
+
 // Everything one launch needs, passed to the kernel by value. Arrays are indexed by rank; a
 // real rank fills only its own entries of inputs/outputs/programs, loopback fills every rank.
 // Programs passed plan::check_program() when they were uploaded; the kernel trusts them.
@@ -58,14 +68,17 @@ struct LaunchParams {
   // Some rank's slots are in host memory (cuda_host, or a loopback slab placed there): push
   // reads of slots must not trust L2 (see run_reduce in executor.cuh).
   bool slots_in_host_memory = false;
-  // The fused epilogue (plan/epilogue.h), read only by a program that ends with one: per rank
-  // like inputs/outputs; hidden 0 otherwise.
-  const void* residuals[plan::kMaxWorld] = {};
-  void* residual_outs[plan::kMaxWorld] = {};
-  const void* weights[plan::kMaxWorld] = {};
+  // The fused epilogue (plan/epilogue.h), read only by a program that ends with one: the tensors
+  // per rank like inputs/outputs, the form shared by every launched rank; hidden 0 otherwise.
+  EpilogueTensors epilogue[plan::kMaxWorld] = {};
   int64_t hidden = 0;
   float eps = 0.0f;
+  float weight_offset = 0.0f;
+  plan::Quant quant = plan::Quant::kNone;
 };
+// Passed by value as a __grid_constant__ kernel parameter: within the 4 KiB every CUDA
+// toolkit and architecture accepts.
+static_assert(sizeof(LaunchParams) <= 4096, "the kernel's parameters exceed 4 KiB");
 
 // The fixed half of a workspace's launches: where the slabs are and where failures go.
 struct WorkspaceView {
@@ -96,8 +109,8 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
                                 uint32_t signature, int first_rank, int ranks_in_launch,
                                 int64_t chunk_stride = 0);
 
-// Gives rank `rank` of the launch the fused epilogue's tensors (every launched rank the same
-// hidden and eps).
+// Gives rank `rank` of the launch the fused epilogue's tensors and the call's form (every
+// launched rank the same hidden, eps, weight_offset and quant).
 void set_epilogue(LaunchParams& p, int rank, const plan::EpilogueArgs& args);
 
 // Seconds to the kernel's nanoseconds; throws std::invalid_argument if negative or not finite.

@@ -52,6 +52,14 @@ __device__ __forceinline__ void store_cg(uint4* ptr, const uint4& v) {
                : "memory");
 }
 
+// L2 stores of 8 and 4 bytes (the fused epilogue's quantised output: a vector's worth of bytes).
+__device__ __forceinline__ void store_cg_v2_u32(void* ptr, uint32_t lo, uint32_t hi) {
+  asm volatile("st.global.cg.v2.u32 [%0], {%1, %2};" ::"l"(ptr), "r"(lo), "r"(hi) : "memory");
+}
+__device__ __forceinline__ void store_cg_u32(void* ptr, uint32_t v) {
+  asm volatile("st.global.cg.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
 // The load flavour of a direction. Push: every operand is in this GPU's memory (the host
 // rejects push programs that read a peer). Pull: operands may be a peer's slots.
 template <plan::Direction D>

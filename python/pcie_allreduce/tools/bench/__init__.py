@@ -26,6 +26,11 @@ def _arguments_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the size range, --table or --json, found before any rank starts."""
     if args.min_bytes > args.max_bytes:
         return "--min-bytes exceeds --max-bytes"
+    quant = getattr(args, "quant", None)
+    if quant and not getattr(args, "fused", False):
+        return "--quant quantises the fused call's y: it needs --fused"
+    if quant == "nvfp4" and (args.dtype == "fp32" or args.hidden % 16):
+        return "--quant nvfp4 needs --dtype bf16 or fp16 and --hidden a multiple of 16"
     if getattr(args, "fused", False):
         row = args.hidden * DTYPES[args.dtype].itemsize
         if args.hidden < 1 or row % 16:
@@ -92,7 +97,11 @@ def main(args: argparse.Namespace) -> int:
         result = run_ranks(world, opts, collective.worker)
     elif args.fused:
         opts["hidden"], opts["rounds"] = args.hidden, 5
-        fused.print_header(transport, world, args.dtype, args.hidden)
+        opts["quant"] = getattr(args, "quant", None)
+        if opts["quant"]:
+            fused.print_quant_header(transport, world, args.dtype, args.hidden, opts["quant"])
+        else:
+            fused.print_header(transport, world, args.dtype, args.hidden)
         result = run_ranks(world, opts, fused.worker)
     else:
         all_reduce.print_header(transport, world, args.dtype)

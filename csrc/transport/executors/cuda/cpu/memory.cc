@@ -157,6 +157,31 @@ void store(void* addr, const void* value, int bytes) {
   }
 }
 
+void store_u32(void* addr, uint32_t value) {
+  const auto base = reinterpret_cast<uintptr_t>(addr);
+  if (base % 4 != 0) {
+    throw std::logic_error("cpu device: a 4-byte store at an address " + std::to_string(base % 4) +
+                           " bytes past a 4-byte boundary");
+  }
+  Cta* cta = weak_cta();
+  if (cta == nullptr) return write_piece(base, value, 4, std::memory_order_release);
+  if (cta->piece_bytes == 4) return buffer(*cta, *cta->running, base, value);
+  const uintptr_t word = base & ~uintptr_t{7};
+  if (const auto it = cta->observed.find(word); it != cta->observed.end()) {
+    land(*cta, Piece{it->first, it->second});
+    cta->observed.erase(it);
+  }
+  std::vector<Piece>& pending = cta->running->pending;
+  for (auto it = pending.begin(); it != pending.end(); ++it) {
+    if (it->addr == word) {
+      land(*cta, *it);
+      pending.erase(it);
+      break;
+    }
+  }
+  write_piece(base, value, 4, std::memory_order_release);
+}
+
 void store_release(void* addr, const void* value, int bytes) {
   require_words(addr, bytes);
   const auto* in = static_cast<const uint8_t*>(value);

@@ -10,6 +10,7 @@
 //   ld.cg / ld.cv / ld.volatile / ld.acquire.sys   memory.h load() (one 8-byte atomic per word;
 //                                                  an acquire in C++ terms in every mode)
 //   st.cg / st.volatile (data, LL words, counters) memory.h store(): late in the weak modes
+//   st.cg.u32 (4 bytes)                            memory.h store_u32()
 //   st.release.sys (flags)                         memory.h store_release()
 //   __threadfence_system                           memory.h fence_system()
 //   atomicCAS                                      memory.h atomic_cas()
@@ -80,6 +81,11 @@ inline uint4 load_vector(const uint4* ptr) {
 inline uint4 load_cg(const uint4* ptr) { return load_vector(ptr); }
 inline uint4 load_cv(const uint4* ptr) { return load_vector(ptr); }
 inline void store_cg(uint4* ptr, const uint4& v) { cpu_device::store(ptr, &v, sizeof(v)); }
+inline void store_cg_v2_u32(void* ptr, uint32_t lo, uint32_t hi) {
+  const uint32_t words[2] = {lo, hi};
+  cpu_device::store(ptr, words, sizeof(words));
+}
+inline void store_cg_u32(void* ptr, uint32_t v) { cpu_device::store_u32(ptr, v); }
 
 template <plan::Direction D>
 inline uint4 load_operand(const uint4* ptr) {
