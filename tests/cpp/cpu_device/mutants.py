@@ -207,9 +207,17 @@ MUTANTS = [
     Mutant(
         "fp8_rounds_toward_zero",
         QUANT,
-        "    const uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;\n",
-        "    const uint32_t rounded = a >> 20;\n",
+        "  const uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;\n",
+        "  const uint32_t rounded = a >> 20;\n",
         "normal e4m3 codes truncate instead of rounding to nearest even",
+    ),
+    Mutant(
+        "fp8_subnormal_threshold_low",
+        QUANT,
+        "  const uint32_t code = a >= 0x3c800000u ? normal : subnormal;  // 2^-6\n",
+        "  const uint32_t code = a >= 0x3c000000u ? normal : subnormal;  // 2^-6\n",
+        "values in [2^-7, 2^-6) take the normal e4m3 rounding instead of the subnormal step: "
+        "their codes are garbage",
     ),
     Mutant(
         "split_ignored",
