@@ -19,6 +19,8 @@ from typing import Any, NoReturn, TypeAlias
 
 import torch
 
+from .operations import nvfp4_scale_shape
+
 _C = importlib.import_module("pcie_allreduce._C")
 
 # The extension's classes, for annotations. It ships no type stub, so to mypy they are Any, as
@@ -120,10 +122,9 @@ def _nvfp4_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4's y_q (two e2m1 codes a byte) and its swizzled block scales (plan/quant.h)."""
     hidden = x.shape[-1]
     rows = x.numel() // hidden if hidden else 0
-    padded_rows = (rows + 127) // 128 * 128
-    columns = (hidden // 16 + 3) // 4 * 4
     y_q = torch.empty((*x.shape[:-1], hidden // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((padded_rows, columns), dtype=torch.float8_e4m3fn, device=x.device)
+    shape = nvfp4_scale_shape(rows, hidden)
+    scales = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
     return y_q, scales
 
 

@@ -22,3 +22,9 @@ FUSED_FORMS = {  # (with a residual, quantised) -> the operation
 }
 OPS = (ALL_REDUCE, FUSED, REDUCE_SCATTER, ALL_GATHER, *FUSED_FORMS.values())
 OPS = tuple(dict.fromkeys(OPS))  # FUSED once
+
+
+def nvfp4_scale_shape(rows: int, hidden: int) -> tuple[int, int]:
+    """NVFP4's block-scale bytes for ``rows`` rows of ``hidden``: ``[round_up(rows, 128),
+    round_up(hidden / 16, 4)]``, vLLM's swizzled 128x4 layout (plan/quant.h)."""
+    return (rows + 127) // 128 * 128, (hidden // 16 + 3) // 4 * 4

@@ -10,6 +10,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..operations import nvfp4_scale_shape
+
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: QuantFP8's clamp bounds
 NVFP4_BLOCK = 16
 
@@ -19,8 +21,8 @@ def _nvfp4_shapes(x: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
     block scales ``[round_up(rows, 128), round_up(hidden / 16, 4) / 4]``."""
     hidden = x.shape[-1]
     rows = math.prod(x.shape[:-1])
-    blocks = hidden // NVFP4_BLOCK
-    return (rows, hidden // 2), ((rows + 127) // 128 * 128, (blocks + 3) // 4)
+    padded_rows, columns = nvfp4_scale_shape(rows, hidden)
+    return (rows, hidden // 2), (padded_rows, columns // 4)
 
 
 def _val_of_item(node: Any, index: int, default: Any) -> Any:
