@@ -68,12 +68,6 @@ Admission admit(Op op, const at::Tensor& inp, const at::Tensor* weight, const Ga
     a.decline = Decline::kDtype;
     return a;
   }
-  // The CUDA executor does not run NVFP4 yet (its epilogue quantises FP8 only); the host
-  // executor runs every form.
-  if (is_nvfp4(op) && gate.device.value_or(-1) >= 0) {
-    a.decline = Decline::kQuant;
-    return a;
-  }
   const int64_t hidden = inp.size(-1);
   if (hidden > plan::kMaxEpilogueHidden ||
       (hidden * plan::dtype_bytes(a.dtype)) % plan::kVectorBytes != 0) {

@@ -33,9 +33,9 @@ enum class Decline : uint8_t {
   // grad. The forms that write given tensors have no derivative, so the caller's own path, which
   // keeps the graph, runs the call (the torch ops raise instead: their caller has no other path).
   kAutograd = 15,
-  // A quantised fused form this communicator's executor does not run (NVFP4 on the CUDA
-  // executor, for now): the unfused path (the kernels' all-reduce, then the same epilogue in
-  // torch) gives the same bytes.
+  // A quantised fused form this communicator's executor does not run. No longer given (every
+  // executor runs every form since the CUDA executor runs NVFP4); kept: the enum is append-only
+  // and the stats count by code.
   kQuant = 16,
 };
 inline constexpr auto kDeclineNames = plan::name_table<Decline>(

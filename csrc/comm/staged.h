@@ -15,8 +15,10 @@ namespace pcie_ar::comm {
 struct Communicator::Staged {
   at::Tensor inp, out, residual, weight, residual_out, scale, block_scale;
   // Where the all-reduce leaves the sum of a fused call: out, which y then overwrites (the plain
-  // forms with a residual); residual_out (the forms without one: the sum is that output); or a
-  // scratch tensor (a quantised form with a residual: out is y_q, and y is never stored).
+  // forms with a residual); residual_out (the forms without one: the sum is that output; and a
+  // quantised form with one, whose out is y_q and whose y is never stored: residual_out =
+  // sum + residual is formed in place, element by element, on every path); or, where that
+  // residual_out is the residual itself (in place), a scratch tensor.
   at::Tensor sum;
   double eps = 0.0;
   double weight_offset = 0.0;
@@ -43,7 +45,10 @@ struct Communicator::Staged {
       if (has_residual(op)) {
         residual = input(*a.residual);
         residual_out = output(*a.residual_out, a.residual, residual);
-        if (is_quantised(op)) sum = at::empty(inp.sizes(), inp.options());
+        if (is_quantised(op)) {
+          sum =
+              residual_out.is_same(residual) ? at::empty(inp.sizes(), inp.options()) : residual_out;
+        }
       } else {
         residual_out = output(*a.residual_out, nullptr, inp);
         sum = residual_out;

@@ -6,7 +6,7 @@
 // These are the forms vLLM's all-reduce fusion pass matches: with and without the residual add,
 // the Gemma weight convention (weight_offset 1: the engine's `weight.float() + 1.0`), and a
 // static-scale FP8 output.
-// Both executors (host: executors/host/epilogue.cc; CUDA: executor.cuh) and the unfused path
+// Both executors (host: executors/host/epilogue.cc; CUDA: cuda/epilogue.cuh) and the unfused path
 // (comm/fallback.cc, in ATen) compute exactly this, so a row's result is the same on every
 // rank, on every path that rounds the same, and whatever other rows share the batch:
 //

@@ -14,10 +14,13 @@ It rewrites ``vllm.all_reduce`` over the tp group followed by ``vllm_ir.fused_ad
 ``vllm_ir.rms_norm`` (a Gemma weight ``w.to(float32) + 1.0`` included), and optionally by vLLM's
 static per-tensor FP8 quantisation (``_C.static_scaled_fp8_quant`` or QuantFP8's native torch
 ops) or NVFP4 quantisation (``_C.scaled_fp4_quant.out``) of the norm, into one of the
-:data:`FORMS` ops. Each is functional (new outputs, inputs untouched) with the outputs of the
-nodes it replaces, and its body makes one decision through the tp group's slot
-(``EngineSlot.all_reduce_rms_norm``: our kernels when they take the tensors); otherwise it runs
-vLLM's own ``vllm.all_reduce``, ``vllm.ir.ops`` norm and quantisation op: the graph's values
+:data:`FORMS` ops; so does the all-reduce followed by ``_C.rms_norm_static_fp8_quant`` or
+``_C.fused_add_rms_norm_static_fp8_quant``, what vLLM's own RMSNormQuantFusionPass
+(``fuse_norm_quant``, run before the custom slot) makes of the norm + static FP8. Each op is
+functional (new outputs, inputs untouched) with the outputs of the nodes it replaces, and its
+body makes one decision through the tp group's slot (``EngineSlot.all_reduce_rms_norm``: our
+kernels when they take the tensors); otherwise it runs vLLM's own ``vllm.all_reduce``,
+``vllm.ir.ops`` norm and quantisation op (or its ``_C`` norm + FP8 op): the graph's values
 either way. Importing this module imports nothing of vLLM.
 """
 
@@ -57,14 +60,13 @@ class Form:
 
     @property
     def schema(self) -> str:
-        """``(x, [residual,] weight, [scale,] eps, group_name, weight_offset[, native_quant])
-        -> (y or y_q, residual_out[, block_scale])``; ``native_quant``: the graph held QuantFP8's
-        native torch ops rather than ``_C.static_scaled_fp8_quant`` (what a declined call
-        runs)."""
+        """``(x, [residual,] weight, [scale,] eps, group_name, weight_offset[, fp8_impl])
+        -> (y or y_q, residual_out[, block_scale])``; ``fp8_impl``: which of vLLM's FP8 ops
+        the graph held, what a declined call runs (:data:`FP8_IMPLS`)."""
         args = ["Tensor x"] + ["Tensor residual"] * self.residual + ["Tensor weight"]
         args += ["Tensor scale"] * (self.quant is not None)
         args += ["float eps", "str group_name", "float weight_offset=0.0"]
-        args += ["bool native_quant=False"] * (self.quant == "fp8")
+        args += ['str fp8_impl="_C"'] * (self.quant == "fp8")
         outs = "(Tensor, Tensor, Tensor)" if self.quant == "nvfp4" else "(Tensor, Tensor)"
         return f"({', '.join(args)}) -> {outs}"
 
@@ -83,6 +85,14 @@ FORMS = {
     (False, "nvfp4"): Form("rms_norm_nvfp4", False, "nvfp4"),
 }
 FUSED_OP = FORMS[(True, None)].qualname  # the all-reduce + residual add + RMSNorm op
+
+# The FP8 forms' ``fp8_impl``: the vLLM ops the graph held after the all-reduce, which a
+# declined call runs.
+FP8_IMPLS = {
+    "_C": "the IR norm, then _C.static_scaled_fp8_quant",
+    "native": "the IR norm, then QuantFP8's native torch ops",
+    "_C_fused": "_C.rms_norm_static_fp8_quant / _C.fused_add_rms_norm_static_fp8_quant",
+}
 
 
 _LIB: Any = None  # the torch.library.Library holding the forms, once defined
@@ -125,21 +135,23 @@ class _Call:
     eps: float
     group_name: str
     weight_offset: float
-    native_quant: bool
+    fp8_impl: str
 
 
 def _call(form: Form, args: tuple, kwargs: dict[str, Any]) -> _Call:
     """The arguments of one call (the dispatcher leaves out trailing ones at their default)."""
     names = ["x"] + ["residual"] * form.residual + ["weight"] + ["scale"] * bool(form.quant)
-    names += ["eps", "group_name", "weight_offset"] + ["native_quant"] * (form.quant == "fp8")
+    names += ["eps", "group_name", "weight_offset"] + ["fp8_impl"] * (form.quant == "fp8")
     values: dict[str, Any] = {
         "residual": None,
         "scale": None,
         "weight_offset": 0.0,
-        "native_quant": False,
+        "fp8_impl": "_C",
     }
     values.update(zip(names, args))
     values.update(kwargs)
+    if values["fp8_impl"] not in FP8_IMPLS:
+        raise ValueError(f"fp8_impl {values['fp8_impl']!r}: one of {sorted(FP8_IMPLS)}")
     return _Call(
         form,
         values["x"],
@@ -149,7 +161,7 @@ def _call(form: Form, args: tuple, kwargs: dict[str, Any]) -> _Call:
         float(values["eps"]),
         values["group_name"],
         float(values["weight_offset"]),
-        bool(values["native_quant"]),
+        values["fp8_impl"],
     )
 
 
@@ -211,19 +223,57 @@ def _run_fused(c: _Call) -> Any:
 
 
 def _run_unfused(c: _Call) -> Any:
-    """What the graph held, in vLLM's own ops: its all-reduce, its IR norm (a Gemma weight
-    ``weight.float() + weight_offset``, as the graph formed it), its quantisation."""
+    """What the graph held, in vLLM's own ops: its all-reduce, then its IR norm (a Gemma weight
+    ``weight.float() + weight_offset``, as the graph formed it) and its quantisation, or its
+    ``_C`` norm + FP8 quantisation op."""
+    import torch
+
+    summed = torch.ops.vllm.all_reduce(c.x, group_name=c.group_name)
+    if c.form.quant == "fp8" and c.fp8_impl == "_C_fused":
+        outs = _vllm_norm_quant(c, summed)
+    else:
+        outs = _vllm_norm_then_quant(c, summed)
+    # A custom op's outputs are new tensors, none an input or another output.
+    seen = {t.data_ptr() for t in (c.x, c.residual, c.weight, c.scale) if t is not None}
+    fresh = []
+    for t in outs:
+        if t.data_ptr() in seen:
+            t = t.clone(memory_format=torch.contiguous_format)
+        elif not t.is_contiguous():  # the fake's layout
+            t = t.contiguous()
+        seen.add(t.data_ptr())
+        fresh.append(t)
+    return tuple(fresh)
+
+
+def _vllm_norm_quant(c: _Call, summed: Any) -> list:
+    """vLLM's ``_C`` norm + static FP8 op on the sum (RMSNormQuantFusionPass's): y_q, and the
+    residual updated in place (a copy of it: the op's inputs stay untouched) or the sum."""
+    import torch
+
+    y_q = torch.empty(summed.shape, dtype=torch.float8_e4m3fn, device=summed.device)
+    if c.residual is None:
+        torch.ops._C.rms_norm_static_fp8_quant(y_q, summed, c.weight, c.scale, c.eps)
+        return [y_q, summed]
+    residual_out = c.residual.clone(memory_format=torch.contiguous_format)
+    torch.ops._C.fused_add_rms_norm_static_fp8_quant(
+        y_q, summed, residual_out, c.weight, c.scale, c.eps
+    )
+    return [y_q, residual_out]
+
+
+def _vllm_norm_then_quant(c: _Call, summed: Any) -> list:
+    """vLLM's IR norm of the sum, then the quantisation the graph held."""
     import torch
     import vllm.ir.ops
 
-    summed = torch.ops.vllm.all_reduce(c.x, group_name=c.group_name)
     weight = c.weight if c.weight_offset == 0 else c.weight.float() + c.weight_offset
     if c.residual is None:
         y, residual_out = vllm.ir.ops.rms_norm(summed, weight, c.eps), summed
     else:
         y, residual_out = vllm.ir.ops.fused_add_rms_norm(summed, c.residual, weight, c.eps)
     outs = [y, residual_out]
-    if c.form.quant == "fp8" and c.native_quant:
+    if c.form.quant == "fp8" and c.fp8_impl == "native":
         # QuantFP8.forward_native, static per-tensor, as the graph held it.
         outs[0] = (
             (y.to(torch.float32) * c.scale.to(torch.float32).reciprocal())
@@ -240,17 +290,7 @@ def _run_unfused(c: _Call) -> Any:
         y_q, block_scale = create_fp4_output_tensors(y.numel() // hidden, hidden, y.device, True)
         torch.ops._C.scaled_fp4_quant.out(y, c.scale, True, output=y_q, output_scale=block_scale)
         outs = [y_q, residual_out, block_scale]
-    # A custom op's outputs are new tensors, none an input or another output.
-    seen = {t.data_ptr() for t in (c.x, c.residual, c.weight, c.scale) if t is not None}
-    fresh = []
-    for t in outs:
-        if t.data_ptr() in seen:
-            t = t.clone(memory_format=torch.contiguous_format)
-        elif not t.is_contiguous():  # the fake's layout
-            t = t.contiguous()
-        seen.add(t.data_ptr())
-        fresh.append(t)
-    return tuple(fresh)
+    return outs
 
 
 def install_fusion_pass(config: Any, group_name: str, *, log: bool = True) -> bool:
@@ -316,9 +356,11 @@ class FusedAddRmsNormRewrite:
     outputs, the norm's y quantised in it when its only user is vLLM's static per-tensor FP8
     quantisation (``_C.static_scaled_fp8_quant``, or QuantFP8's native ``to(float32) *
     scale.reciprocal()``, clamp to +-448, ``to(float8_e4m3fn)``) or its NVFP4 quantisation
-    (``_C.scaled_fp4_quant.out``, swizzled scales). Only weights of the input's dtype, or
-    Gemma's ``w.to(float32) + c`` of such a ``w`` (passed as ``w`` with ``weight_offset=c``),
-    and no ``variance_size`` (what our ops compute)."""
+    (``_C.scaled_fp4_quant.out``, swizzled scales); the same all-reduce feeding vLLM's
+    ``_C.rms_norm_static_fp8_quant`` / ``_C.fused_add_rms_norm_static_fp8_quant`` becomes the
+    FP8 form too. Only weights of the input's dtype, or Gemma's ``w.to(float32) + c`` of such a
+    ``w`` (passed as ``w`` with ``weight_offset=c``), and no ``variance_size`` (what our ops
+    compute)."""
 
     # Given by vLLM's InductorPass, the other base of fusion_pass_class().
     hash_dict: Callable[[Any], Any]
@@ -365,7 +407,7 @@ def _rewrite(graph: Any, m: _Match, ops: dict, group_name: str, order: dict[Any,
     form = FORMS[(m.residual is not None, m.quant)]
     args: tuple = (m.x,) + ((m.residual,) if m.residual is not None else ()) + (m.weight,)
     args += ((m.scale,) if m.quant else ()) + (m.eps, group_name, m.offset)
-    args += (m.native,) if m.quant == "fp8" else ()
+    args += (m.fp8_impl,) if m.quant == "fp8" else ()
     replaced = [
         m.quantised if m.quant else m.ys,
         m.rs if m.residual is not None else [m.summed],

@@ -50,7 +50,7 @@ class _Match:
     rs: list  # getitem(fused_add, 1) nodes (the residual out)
     quant: str | None = None
     scale: Any = None
-    native: bool = False
+    fp8_impl: str = "_C"  # FP8: the vLLM ops the graph held (vllm_fusion.FP8_IMPLS)
     quantised: list = field(default_factory=list)  # nodes holding y_q
     block_scales: list = field(default_factory=list)  # NVFP4: getitem(quant, 2)
     dead: list = field(default_factory=list)  # other nodes it replaces, erased once unused
@@ -66,16 +66,54 @@ def _match(node: Any, group_name: str, order: dict[Any, int]) -> _Match | None:
     import torch
 
     add_norm = torch.ops.vllm_ir.fused_add_rms_norm.default
-    if node.op != "call_function" or node.target not in (
-        add_norm,
-        torch.ops.vllm_ir.rms_norm.default,
-    ):
+    if node.op != "call_function":
         return None
+    if node.target not in (add_norm, torch.ops.vllm_ir.rms_norm.default):
+        return _match_norm_quant(node, group_name, order)
     with_residual = node.target is add_norm
     args = _norm_args(node, with_residual=with_residual)
     if args is None:
         return None
     summed, residual, weight, eps = args
+    found = _reduced(node, summed, residual, weight, eps, group_name, order)
+    if found is None:
+        return None
+    x, xv, raw_weight, offset, at = found
+    if with_residual:
+        ys: list[Any] = []
+        rs: list[Any] = []
+        for u in node.users:
+            if u.target is not operator.getitem or u.args[1] not in (0, 1):
+                return None
+            (ys if u.args[1] == 0 else rs).append(u)
+    else:
+        ys, rs = [node], []
+    m = _Match(node, summed, at, x, residual, raw_weight, offset, float(eps), ys, rs)
+    if raw_weight is not weight:  # Gemma's w.to(float32) + c, left to other users if any
+        m.dead += [weight, *weight.all_input_nodes]
+    val = _val(node)
+    m.vals = [val[0] if with_residual and val is not None else val, _val(summed)]
+    if len(ys) == 1 and len(ys[0].users) == 1:
+        _quant_after(m, xv, order)
+    return m
+
+
+def _reduced(
+    node: Any,
+    summed: Any,
+    residual: Any,
+    weight: Any,
+    eps: Any,
+    group_name: str,
+    order: dict[Any, int],
+) -> tuple[Any, Any, Any, float, Any] | None:
+    """``(x, x's value, the raw weight, weight_offset, where the op goes)`` when ``node``
+    normalises ``summed``, an all-reduce of ``x`` over ``group_name``, in a way our ops compute
+    (the rules every pattern shares), else None. With a residual nothing else may read the sum
+    (the op does not return it); without one the op goes before the sum's first reader (the op
+    returns the sum), which must come after the weight and the residual."""
+    import torch
+
     if (
         getattr(summed, "target", None) is not torch.ops.vllm.all_reduce.default
         or _group_of(summed) != group_name
@@ -94,30 +132,53 @@ def _match(node: Any, group_name: str, order: dict[Any, int]) -> _Match | None:
     if residual is not None and not _same(_val(residual), xv):
         return None
     others = [u for u in summed.users if u is not node]
-    if with_residual:
-        if others:
-            return None  # the sum is used elsewhere: the all-reduce stays
-        ys: list[Any] = []
-        rs: list[Any] = []
-        for u in node.users:
-            if u.target is not operator.getitem or u.args[1] not in (0, 1):
-                return None
-            (ys if u.args[1] == 0 else rs).append(u)
-    else:
-        ys, rs = [node], []
-    # The op goes before the first reader of the sum (the op returns the sum), which must come
-    # after everything the op reads.
+    if residual is not None and others:
+        return None  # the sum is used elsewhere: the all-reduce stays
     at = min([node, *others], key=order.__getitem__)
     if any(order[a] >= order[at] for a in (raw_weight, residual) if a is not None):
         return None
-    m = _Match(node, summed, at, x, residual, raw_weight, offset, float(eps), ys, rs)
-    if raw_weight is not weight:  # Gemma's w.to(float32) + c, left to other users if any
-        m.dead += [weight, *weight.all_input_nodes]
-    val = _val(node)
-    m.vals = [val[0] if with_residual and val is not None else val, _val(summed)]
-    if len(ys) == 1 and len(ys[0].users) == 1:
-        _quant_after(m, xv, order)
-    return m
+    return x, xv, raw_weight, offset, at
+
+
+# vLLM's RMSNormQuantFusionPass (``fuse_norm_quant``) turns the IR norm + static per-tensor FP8
+# quantisation into one of these before our pass runs; with the residual or without.
+_NORM_QUANT_OPS = {
+    "_C::fused_add_rms_norm_static_fp8_quant": True,
+    "_C::rms_norm_static_fp8_quant": False,
+}
+
+
+def _match_norm_quant(node: Any, group_name: str, order: dict[Any, int]) -> _Match | None:
+    """``auto_functionalized(_C.rms_norm_static_fp8_quant, result=, input=sum, weight=, scale=,
+    epsilon=)`` or ``auto_functionalized(_C.fused_add_rms_norm_static_fp8_quant, result=,
+    input=sum, residual=, weight=, scale=, epsilon=)`` (getitem 1: y_q; getitem 2: the updated
+    residual, sum + residual) after an all-reduce over our group: the FP8 forms, with
+    ``fp8_impl="_C_fused"`` (what a declined call runs). A weight of x's dtype only (vLLM's own
+    check), a float8_e4m3fn result of x's shape, and the FP8 forms' rules for the scale."""
+    with_residual = next(
+        (r for name, r in _NORM_QUANT_OPS.items() if _functionalized(node, name, "")), None
+    )
+    if with_residual is None:
+        return None
+    kw = node.kwargs
+    summed, residual, weight = kw.get("input"), kw.get("residual"), kw.get("weight")
+    if with_residual != (residual is not None):
+        return None
+    found = _reduced(node, summed, residual, weight, kw.get("epsilon"), group_name, order)
+    if found is None or found[2] is not weight:  # no Gemma offset: the kernel reads x's dtype
+        return None
+    x, xv, _, _, at = found
+    fp8 = _fp8_result(kw.get("result"), xv)
+    gets = _getitems(node, (1, 2) if with_residual else (1,))
+    if fp8 is None or gets is None:
+        return None
+    rs = gets[2] if with_residual else []
+    m = _Match(node, summed, at, x, residual, weight, 0.0, float(kw["epsilon"]), [], rs)
+    second = _val_of_item(node, 2, _val(residual)) if with_residual else _val(summed)
+    m.vals = [_val_of_item(node, 1, fp8), second]
+    m.dead = [kw["result"]]
+    found_quant: tuple = ("fp8", kw.get("scale"), "_C_fused", gets[1], [], [], [])
+    return m if _take_quant(m, found_quant, order) else None
 
 
 def _norm_args(node: Any, *, with_residual: bool) -> Any:
@@ -211,23 +272,30 @@ def _only_user(node: Any) -> Any:
 def _quant_after(m: _Match, xv: Any, order: dict[Any, int]) -> None:
     """Fills the quantisation of ``m``'s y into ``m`` when y's only user is one our ops
     compute (and its scale is defined before the norm, where the op goes)."""
-    import torch
-
     y = m.ys[0]
     u = _only_user(y)
     found = _fp8_vllm_op(y, u, xv) or _fp8_native(y, u) or _nvfp4(y, u, xv)
-    if found is None:
-        return
-    quant, scale, native, quantised, block_scales, dead, vals = found
+    if found is not None:
+        _take_quant(m, found, order)
+
+
+def _take_quant(m: _Match, found: tuple, order: dict[Any, int]) -> bool:
+    """Fills a found quantisation ``(quant, scale, fp8_impl, quantised, block_scales, dead,
+    vals)`` into ``m`` when its scale is one fp32 defined before the op's place."""
+    import torch
+
+    quant, scale, fp8_impl, quantised, block_scales, dead, vals = found
     sv = _val(scale)
     if sv is None or sv.dtype != torch.float32 or sv.numel() != 1:
-        return
+        return False
     if order.get(scale, len(order)) >= order[m.at]:
-        return  # the op goes where the sum is first read: the scale must be there
-    m.quant, m.scale, m.native = quant, scale, native
+        return False  # the op goes where the sum is first read: the scale must be there
+    m.quant, m.scale, m.fp8_impl = quant, scale, fp8_impl
     m.quantised, m.block_scales = quantised, block_scales
     m.dead += dead
-    m.vals = [vals[0], m.vals[1], *vals[1:]]
+    if vals:
+        m.vals = [vals[0], m.vals[1], *vals[1:]]
+    return True
 
 
 def _is_op(target: Any, name: str, overload: str) -> bool:
@@ -259,24 +327,28 @@ def _getitems(node: Any, allowed: tuple[int, ...]) -> dict[int, list] | None:
 def _fp8_vllm_op(y: Any, u: Any, xv: Any) -> Any:
     """``auto_functionalized(_C.static_scaled_fp8_quant, result=, input=y, scale=,
     group_shape=[-1, -1])`` (MatcherQuantFP8 with vLLM's custom quant op)."""
-    import torch
-
     if not _functionalized(u, "_C::static_scaled_fp8_quant", ""):
         return None
     kw = u.kwargs
     group_shape = kw.get("group_shape")
     if kw.get("input") is not y or (group_shape is not None and list(group_shape) != [-1, -1]):
         return None
-    result = _val(kw.get("result"))
-    if result is None or result.dtype != torch.float8_e4m3fn:
-        return None
-    if not _same_shape(result.shape, xv.shape):
-        return None
+    result = _fp8_result(kw.get("result"), xv)
     gets = _getitems(u, (1,))
-    if gets is None:
+    if result is None or gets is None:
         return None
     result_node = kw["result"]
-    return "fp8", kw["scale"], False, gets[1], [], [u, result_node], [_val_of_item(u, 1, result)]
+    return "fp8", kw["scale"], "_C", gets[1], [], [u, result_node], [_val_of_item(u, 1, result)]
+
+
+def _fp8_result(result: Any, xv: Any) -> Any:
+    """The value of a ``_C`` op's FP8 ``result`` buffer when it is float8_e4m3fn of x's shape."""
+    import torch
+
+    rv = _val(result)
+    if rv is None or rv.dtype != torch.float8_e4m3fn or not _same_shape(rv.shape, xv.shape):
+        return None
+    return rv
 
 
 def _fp8_native(y: Any, u: Any) -> Any:
@@ -312,7 +384,7 @@ def _fp8_native(y: Any, u: Any) -> Any:
         return None
     if node is None or node.target is not convert or node.args[1:] != (torch.float8_e4m3fn,):
         return None
-    return "fp8", rcp.args[0], True, [node], [], [*chain, rcp], [_val(node)]
+    return "fp8", rcp.args[0], "native", [node], [], [*chain, rcp], [_val(node)]
 
 
 def _nvfp4(y: Any, u: Any, xv: Any) -> Any:
@@ -343,4 +415,4 @@ def _nvfp4(y: Any, u: Any, xv: Any) -> Any:
         return None
     dead = [u, kw["output"], kw["output_scale"]]
     vals = [_val_of_item(u, 1, output), _val_of_item(u, 2, output_scale)]
-    return "nvfp4", kw["input_scale"], False, gets[1], gets[2], dead, vals
+    return "nvfp4", kw["input_scale"], "_C", gets[1], gets[2], dead, vals

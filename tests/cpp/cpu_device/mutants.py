@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 BUILD = ROOT / "build" / "mutants"
 EXECUTOR = "transport/executors/cuda/executor.cuh"
+EPILOGUE = "transport/executors/cuda/epilogue.cuh"  # the executor's fused epilogue
 CPU_PRIMITIVES = "transport/executors/cuda/cpu/primitives.h"
 QUANT = "plan/quant.h"  # shadowed in the CPU device's executor only: the host's stays right
 # Run in turn against each mutant, each stopping at its first failure: the matrix of tactics,
@@ -160,7 +161,7 @@ MUTANTS = [
     ),
     Mutant(
         "epilogue_fuses_multiply_add",
-        EXECUTOR,
+        EPILOGUE,
         "        for (int e = 0; e < kElems; ++e) acc[e] = add_rn(acc[e], mul_rn(a[e], a[e]));\n",
         "        for (int e = 0; e < kElems; ++e) acc[e] = std::fma(a[e], a[e], acc[e]);\n",
         "the mean of squares contracts into FMAs: the bits differ from the host's (and from "
@@ -168,41 +169,57 @@ MUTANTS = [
     ),
     Mutant(
         "epilogue_partials_transposed",
-        EXECUTOR,
+        EPILOGUE,
         "      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];\n",
         "      for (int e = 0; e < kElems; ++e) partials[e * kPositions + j] = acc[e];\n",
         "the partials enter the tree in another order: a row's norm depends on the layout",
     ),
     Mutant(
         "epilogue_weight_offset_ignored",
-        EXECUTOR,
+        EPILOGUE,
         "  const float addend = plan::weight_addend(p.weight_offset);\n",
         "  const float addend = -0.0f;\n",
         "the weight offset is never added: a Gemma layer (offset 1) normalises with w, not w + 1",
     ),
     Mutant(
         "epilogue_y_lands_in_output",
-        EXECUTOR,
-        "        if (y != nullptr) store_cg(y + base + v, y_vec);\n",
-        "        store_cg((y != nullptr ? y : out) + base + v, y_vec);\n",
+        EPILOGUE,
+        "  uint4* y = static_cast<uint4*>(tensors.y);\n",
+        "  uint4* y = static_cast<uint4*>(tensors.y != nullptr ? tensors.y : p.outputs[rank]);\n",
         "a call that asked for y_q alone gets y stored over its output (the sum, or residual_out "
         "without a residual)",
     ),
     Mutant(
         "fp8_scale_applied_twice",
-        EXECUTOR,
+        EPILOGUE,
         "              const float scaled = mul_rn(a[4 * i + k], inv_scale);\n",
         "              const float scaled = mul_rn(mul_rn(a[4 * i + k], inv_scale), inv_scale);\n",
         "y is divided by the scale twice before it is quantised",
     ),
     Mutant(
         "fp8_quantises_unrounded_y",
-        EXECUTOR,
+        EPILOGUE,
         "          M::widen(y_vec, a);  // the y stored: rounded to the dtype, then widened "
         "(exact)\n",
-        "",
+        "          (void)y_vec;  // a: y in fp32, not rounded to the dtype\n",
         "the fp8 output quantises the fp32 y, not y rounded to the dtype as vLLM's kernels do: "
         "bf16 and fp16 codes differ near the midpoints",
+    ),
+    Mutant(
+        "nvfp4_nibbles_swapped",
+        EPILOGUE,
+        "          codes[i] |= code << (4 * e);\n",
+        "          codes[i] |= code << (4 * (e ^ 1));\n",
+        "NVFP4's even element goes to the high nibble of its byte: every code pair is swapped",
+    ),
+    Mutant(
+        "nvfp4_scale_layout_transposed",
+        EPILOGUE,
+        "  return q.block_scale + plan::nvfp4_scale_offset(row, 4 * g, q.k_tiles);\n",
+        "  return q.block_scale + ((row / 128) * q.k_tiles + g) * 512 + ((row / 32) % 4) * 128 +\n"
+        "         (row % 32) * 4;\n",
+        "the 128-row scale tile is laid out [4][32] rows instead of vLLM's [32][4] (r % 32 and "
+        "(r / 32) % 4 swapped): the GEMM reads another row's block scales",
     ),
     Mutant(
         "fp8_rounds_toward_zero",

@@ -5,19 +5,22 @@ groups (spawned ranks, gloo, our host transport).
 Each graph is the pattern vLLM's own matcher holds: its pattern class's ``pattern`` function
 (captured where the class hands it to Inductor's ``register_replacement``), traced the way vLLM
 traces it (``pattern_matcher.fwd_only``) at this test's shapes, FP8 both with vLLM's custom
-quant op and with QuantFP8's native torch ops. vLLM's compiled ``_C`` ops do not exist on a CPU:
-``vllm_c_ops`` defines them with vLLM's schemas and, for the two quantisations, vLLM's CUDA
-arithmetic in torch (``pcie_allreduce.testing``: ``fp8_static_quant``; ``nvfp4_quant`` with IEEE
-reciprocals where vLLM's GPU kernel uses approximate ones).
+quant op and with QuantFP8's native torch ops, and the FP8 ones also after vLLM's own
+RMSNormQuantFusionPass patterns (``fuse_norm_quant``) have turned the norm + quantisation into
+``_C.rms_norm_static_fp8_quant`` / ``_C.fused_add_rms_norm_static_fp8_quant``. vLLM's compiled
+``_C`` ops do not exist on a CPU: ``vllm_c_ops`` defines them with vLLM's schemas and, for the
+quantisations and the norm + quantisation ops, vLLM's CUDA arithmetic in torch
+(``pcie_allreduce.testing``: ``fp8_static_quant``; ``nvfp4_quant`` with IEEE reciprocals where
+vLLM's GPU kernel uses approximate ones).
 
 After our pass, a graph holds one of our ops and none of the pattern's nodes, and running it
 gives, bit for bit, our plain all-reduce followed by the epilogue reference
 (``fused_in_order``, then the quantisation): what every form of PcieAllReduce promises. The
-unfused graph (vLLM's native IR norm, which rounds differently from ours, then the quant) is
-close, not bitwise. A batch our kernels decline runs vLLM's own ops and gives the unfused
-graph's values bit for bit. Two layer ends as a model writes them also go through Inductor's
-compile (the pass in its post-grad custom pass slot, the batch dimension dynamic), and what the
-pass must leave alone is checked on traced graphs in this process."""
+unfused graph (vLLM's native IR norm then the quant, or its ``_C`` norm + FP8 op, each rounding
+differently from ours) is close, not bitwise. A batch our kernels decline runs vLLM's own ops
+and gives the unfused graph's values bit for bit. Two layer ends as a model writes them also go
+through Inductor's compile (the pass in its post-grad custom pass slot, the batch dimension
+dynamic), and what the pass must leave alone is checked on traced graphs in this process."""
 
 from __future__ import annotations
 
@@ -50,15 +53,41 @@ PATTERNS = [
 ]
 
 
-def _capture(config: Any) -> dict[str, tuple[Any, list[str], Any]]:
-    """label -> (vLLM's pattern function, its parameter names, the class) for every pattern
-    the classes register (the fused-add ones also register a "first output only" variant)."""
+def _norm_quant_pass(config: Any) -> Any:
+    """vLLM's RMSNormQuantFusionPass's static FP8 patterns (``fuse_norm_quant``: the IR norm +
+    static per-tensor FP8, with the residual add or without, the quantisation as vLLM's custom
+    op or its native torch ops), registered as the pass registers them: a function that
+    rewrites a graph's norm + quantisation into ``_C.rms_norm_static_fp8_quant`` /
+    ``_C.fused_add_rms_norm_static_fp8_quant``, as vLLM does before our pass runs."""
+    import torch
+    from torch._inductor.pattern_matcher import PatternMatcherPass
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        import vllm.compilation.passes.fusion.rms_quant_fusion as rqf
+        from vllm.compilation.passes.fusion.matcher_utils import MatcherQuantFP8
+
+        patterns = PatternMatcherPass(pass_name="rmsnorm_quant_fusion_pass")
+        for cls in (rqf.FusedAddRMSNormStaticQuantPattern, rqf.RMSNormStaticQuantPattern):
+            for custom_quant in (True, False):
+                p = cls(EPS, torch.float8_e4m3fn)
+                p.quant_matcher = MatcherQuantFP8(p.quant_matcher.quant_key, enabled=custom_quant)
+                p.register(patterns)
+    return patterns.apply
+
+
+def _capture(config: Any) -> dict[str, tuple[Any, list[str], Any, Any]]:
+    """label -> (vLLM's pattern function, its parameter names, the class, what vLLM runs on its
+    graph before our pass or None) for every pattern the classes register (the fused-add ones
+    also register a "first output only" variant), and the FP8 ones once more after vLLM's
+    RMSNormQuantFusionPass ("[fuse_norm_quant]")."""
     import torch
     import torch._inductor.pattern_matcher as pm
     import vllm_c_ops
     from vllm.config import set_current_vllm_config
 
     vllm_c_ops.install()
+    norm_quant = _norm_quant_pass(config)
     with set_current_vllm_config(config):
         import vllm.compilation.passes.fusion.allreduce_rms_fusion as arf
         from vllm.compilation.passes.fusion.matcher_utils import MatcherQuantFP8
@@ -68,7 +97,7 @@ def _capture(config: Any) -> dict[str, tuple[Any, list[str], Any]]:
 
         # Bound at vLLM's import only where _C.scaled_fp4_quant existed then.
         arf.STATIC_FP4_QUANT_OP = torch.ops._C.scaled_fp4_quant.out
-        captured: dict[str, tuple[Any, list[str], Any]] = {}
+        captured: dict[str, tuple[Any, list[str], Any, Any]] = {}
         params = arf.FlashInferFusedAllReduceParams(world_size=2)
         original = pm.register_replacement
         found: list[Any] = []
@@ -90,7 +119,10 @@ def _capture(config: Any) -> dict[str, tuple[Any, list[str], Any]]:
                 for i, pattern in enumerate(found):
                     own = list(inspect.signature(pattern).parameters)
                     names = names if own == ["a", "b", "c"] else own  # first-only: as its parent
-                    captured[label if i == 0 else f"{label}[first only]"] = (pattern, names, cls)
+                    entry = (pattern, names, cls)
+                    captured[label if i == 0 else f"{label}[first only]"] = (*entry, None)
+                    if custom_quant is not None and i == 0:
+                        captured[f"{label}[fuse_norm_quant]"] = (*entry, norm_quant)
         finally:
             pm.register_replacement = original
     return captured
@@ -121,13 +153,18 @@ def _inputs(rank: int, rows: int, gemma: bool) -> dict[str, Any]:
     }
 
 
-def _trace(pattern: Any, args: list) -> Any:
-    """vLLM's trace of a pattern (Inductor's fwd_only), on fake copies of the arguments."""
+def _trace(pattern: Any, args: list, vllm_pass: Any = None) -> Any:
+    """vLLM's trace of a pattern (Inductor's fwd_only), on fake copies of the arguments, then
+    ``vllm_pass`` (vLLM's own pass before ours) where given."""
     from torch._inductor.pattern_matcher import fwd_only
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        return fwd_only(pattern, [mode.from_tensor(a) for a in args])
+        gm = fwd_only(pattern, [mode.from_tensor(a) for a in args])
+        if vllm_pass is not None:
+            vllm_pass(gm.graph)
+            gm.recompile()
+    return gm
 
 
 def _targets(gm: Any) -> list[str]:
@@ -258,16 +295,17 @@ def _forms_rank(
     patterns = _capture(config)
     results: dict[str, Any] = {}
     ours_by_label: dict[str, tuple] = {}
-    for label, (pattern, names, cls) in patterns.items():
+    for label, (pattern, names, cls, vllm_pass) in patterns.items():
         name, first_only = cls.__name__, label.endswith("[first only]")
         ins = _inputs(rank, ROWS, "Gemma" in name)
         args = [ins[n] for n in names]
         before_args = [a.clone() for a in args]
-        fused, unfused = _trace(pattern, args), _trace(pattern, args)
+        fused, unfused = _trace(pattern, args, vllm_pass), _trace(pattern, args, vllm_pass)
         before = _targets(fused)
         held(fused.graph)
         fused.recompile()
         after = _targets(fused)
+        ours = [n for n in fused.graph.nodes if str(n.target).startswith("pcie_allreduce_vllm")]
         got = fused(*args)
         got = tuple(got) if isinstance(got, (tuple, list)) else (got,)
         theirs = unfused(*args)
@@ -278,6 +316,7 @@ def _forms_rank(
             "before": before,
             "after": after,
             "forms": dict(held.matched_forms),
+            "last_arg": [n.args[-1] for n in ours],
             "dtypes": [str(t.dtype) for t in got],
             "bitwise": [
                 g.shape == w.shape and torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want)
@@ -292,7 +331,8 @@ def _forms_rank(
         # Declined (a batch past the workspace): vLLM's own ops, the unfused graph's values.
         big = _inputs(rank, DECLINED_ROWS, "Gemma" in name)
         big_args = [big[n] for n in names]
-        fused_big, unfused_big = _trace(pattern, big_args), _trace(pattern, big_args)
+        fused_big = _trace(pattern, big_args, vllm_pass)
+        unfused_big = _trace(pattern, big_args, vllm_pass)
         held(fused_big.graph)
         fused_big.recompile()
         a = fused_big(*big_args)
@@ -356,10 +396,16 @@ def test_every_vllm_all_reduce_fusion_pattern_becomes_our_fused_op(world, tmp_pa
             assert v["inductor"]["forms"] == {"rms_norm_fp8": 1, "fused_add_rms_norm_nvfp4": 1}
             assert all(v["inductor"]["bitwise"]), v["inductor"]
         results = v["results"]
-        assert len(results) == 12, sorted(results)  # 10 traced, 2 of them "first only" too
+        # 10 traced, 2 of them "first only" too, the 4 FP8 ones also after fuse_norm_quant
+        assert len(results) == 16, sorted(results)
         for label, r in results.items():
             form = FORM_OF[label.split("[")[0]]
             assert "vllm.all_reduce.default" in r["before"], label
+            if label.endswith("[fuse_norm_quant]"):  # vLLM's own pass ran on the graph first
+                assert f"_C.{form[:-4]}_static_fp8_quant.default" in r["before"], r["before"]
+                assert r["last_arg"] == ["_C_fused"], (label, r["last_arg"])
+            elif "FP8" in label:  # the decline path runs the quantisation the graph held
+                assert r["last_arg"] == [label.split("[")[1][:-1]], (label, r["last_arg"])
             assert r["forms"] == {form: 1} and r["declined_forms"] == {form: 1}, (label, r)
             after = r["after"]
             assert f"pcie_allreduce_vllm.{form}.default" in after, (label, after)
@@ -382,8 +428,8 @@ def test_every_vllm_all_reduce_fusion_pattern_becomes_our_fused_op(world, tmp_pa
             "AllReduceRMSNormPattern": [True, True],
             "AllReduceFusedAddRMSNormPattern": [True, True],
         }
-        assert v["routed"] == 12 + 2 * compiled
-        assert v["fused_declines"] == {"too_large": 12}, v["fused_declines"]
+        assert v["routed"] == 16 + 2 * compiled
+        assert v["fused_declines"] == {"too_large": 16}, v["fused_declines"]
 
 
 # ---------------------------------------------------------------------- what the pass leaves
@@ -410,11 +456,35 @@ def _native_fp8(y: Any, scale: Any, bound: float = 448.0) -> Any:
     return out.clamp(-bound, bound).to(torch.float8_e4m3fn)
 
 
+def _norm_fp8(s: Any, w: Any, scale: Any, residual: Any = None) -> tuple:
+    """vLLM's ``_C`` norm + static FP8 op on ``s`` as RMSNormQuantFusionPass's replacement
+    writes it: (y_q, the updated residual) with a residual, else (y_q,)."""
+    import torch
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    result = torch.empty(s.shape, dtype=torch.float8_e4m3fn)
+    if residual is None:
+        op, kwargs = torch.ops._C.rms_norm_static_fp8_quant.default, {}
+    else:
+        op, kwargs = (
+            torch.ops._C.fused_add_rms_norm_static_fp8_quant.default,
+            {"residual": residual},
+        )
+    at = auto_functionalized(
+        op, result=result, input=s, weight=w, scale=scale, epsilon=EPS, **kwargs
+    )
+    return tuple(at[1:])
+
+
 def test_the_pass_leaves_patterns_our_ops_do_not_compute():
-    """Another group, a weight of another dtype (Gemma's offset only from a weight of x's dtype),
-    variance_size, a sum the op cannot return: the graph stays as it was."""
+    """Another group, a weight of another dtype (Gemma's offset only from a weight of x's dtype;
+    none into vLLM's ``_C`` norm + FP8 ops), variance_size, a sum the op cannot return: the
+    graph stays as it was."""
     import torch
     import vllm.ir.ops
+    import vllm_c_ops
+
+    vllm_c_ops.install()
 
     bf16 = torch.bfloat16
     x, res = torch.empty(ROWS, HIDDEN, dtype=bf16), torch.empty(ROWS, HIDDEN, dtype=bf16)
@@ -427,6 +497,11 @@ def test_the_pass_leaves_patterns_our_ops_do_not_compute():
         s = ar(x)
         return vllm.ir.ops.fused_add_rms_norm(s, r, w, EPS), s
 
+    def sum_used_beside_c_add(r, x, w, scale):  # noqa: ANN001, ANN202
+        s = ar(x)
+        return _norm_fp8(s, w, scale, r), s
+
+    scale = torch.empty(1, 1)
     cases = {
         "another group": (lambda x, w: vllm.ir.ops.rms_norm(ar(x, "pp:0"), w, EPS), [x, w]),
         "fp32 weight": (lambda x, w: vllm.ir.ops.rms_norm(ar(x), w, EPS), [x, w32]),
@@ -439,6 +514,16 @@ def test_the_pass_leaves_patterns_our_ops_do_not_compute():
             [x, w],
         ),
         "sum used beside the add": (sum_used_elsewhere, [res, x, w]),
+        "_C norm + FP8, another group": (
+            lambda x, w, c: _norm_fp8(ar(x, "pp:0"), w, c),
+            [x, w, scale],
+        ),
+        "_C norm + FP8, fp32 weight": (lambda x, w, c: _norm_fp8(ar(x), w, c), [x, w32, scale]),
+        "_C norm + FP8, Gemma's fp32 weight": (
+            lambda x, w, c: _norm_fp8(ar(x), w.float() + 1.0, c),
+            [x, w, scale],
+        ),
+        "_C add + norm + FP8, sum used beside": (sum_used_beside_c_add, [res, x, w, scale]),
     }
     for label, (fn, args) in cases.items():
         gm = _graph(fn, *args)
@@ -451,9 +536,13 @@ def test_a_quantisation_our_ops_do_not_compute_stays_after_our_norm():
     """y used beside its quantisation, or clamped to another format's range: the all-reduce and
     norm become our plain form, the quantisation stays vLLM's. Gemma's weight with a
     quantisation (no vLLM pattern, the same arithmetic) becomes the quantised form; a sum read
-    before the norm is the op's second output (the op goes before that reader)."""
+    before the norm (IR or vLLM's ``_C`` norm + FP8) is the op's second output (the op goes
+    before that reader)."""
     import torch
     import vllm.ir.ops
+    import vllm_c_ops
+
+    vllm_c_ops.install()
 
     bf16 = torch.bfloat16
     x, w = torch.empty(ROWS, HIDDEN, dtype=bf16), torch.empty(HIDDEN, dtype=bf16)
@@ -477,8 +566,14 @@ def test_a_quantisation_our_ops_do_not_compute_stays_after_our_norm():
         twice = total * 2  # the op goes before this reader and hands it the sum
         return vllm.ir.ops.rms_norm(total, w, EPS), twice
 
+    def sum_read_before_c_norm_fp8(x, w, s):  # noqa: ANN001, ANN202
+        total = ar(x)
+        twice = total * 2
+        return _norm_fp8(total, w, s)[0], twice
+
     for label, fn, form, quant_kept in (
         ("sum read before the norm", sum_read_before_the_norm, "rms_norm", False),
+        ("sum read before _C's norm + FP8", sum_read_before_c_norm_fp8, "rms_norm_fp8", False),
         ("y used twice", y_used_twice, "rms_norm", True),
         ("another range", fnuz_range, "rms_norm", True),
         ("Gemma + FP8", gemma_fp8, "rms_norm_fp8", False),
@@ -486,7 +581,7 @@ def test_a_quantisation_our_ops_do_not_compute_stays_after_our_norm():
         gm = _graph(fn, x, w, scale)
         forms, after = _rewritten(gm)
         assert forms == {form: 1}, (label, forms)
-        assert not any(t.startswith(("vllm.all_reduce", "vllm_ir.")) for t in after), after
+        assert not any(t.startswith(("vllm.all_reduce", "vllm_ir.", "_C.")) for t in after), after
         assert ("aten.reciprocal.default" in after) == quant_kept, (label, after)
         (op,) = [n for n in gm.graph.nodes if str(n.target).startswith("pcie_allreduce_vllm")]
         # y's readers (and the sum's, where the graph reads it) read the op's outputs.

@@ -5,8 +5,10 @@ its pattern classes trace the graphs its matchers look for.
 
 The two quantisation ops the all-reduce fusion patterns hold run here with vLLM's CUDA
 arithmetic written in torch (``pcie_allreduce.testing``): ``static_scaled_fp8_quant`` and
-``scaled_fp4_quant.out`` (the latter only where ``testing.nvfp4_quant`` exists). The rest only
-have to exist; calling one raises.
+``scaled_fp4_quant.out`` (the latter only where ``testing.nvfp4_quant`` exists); so do the two
+norm + static FP8 ops vLLM's RMSNormQuantFusionPass puts in their place,
+``rms_norm_static_fp8_quant`` and ``fused_add_rms_norm_static_fp8_quant``
+(csrc/layernorm_quant_kernels.cu). The rest only have to exist; calling one raises.
 
 ``install()`` once per process, before anything imports
 ``vllm.compilation.passes.fusion.matcher_utils``."""
@@ -28,16 +30,20 @@ _DECLARED = (
     # rms_quant_fusion (imported by allreduce_rms_fusion) names these at import.
     "rms_norm(Tensor! result, Tensor input, Tensor? weight, float epsilon) -> ()",
     "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor? weight, float epsilon) -> ()",
-    "rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor weight, Tensor scale, "
-    "float epsilon) -> ()",
-    "fused_add_rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor! residual, "
-    "Tensor weight, Tensor scale, float epsilon) -> ()",
     "rms_norm_dynamic_per_token_quant(Tensor! result, Tensor input, Tensor weight, "
     "Tensor! scale, float epsilon, Tensor? scale_ub, Tensor!? residual) -> ()",
 )
 STATIC_FP8 = (
     "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
     "int[]? group_shape=None) -> ()"
+)
+NORM_FP8 = (
+    "rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor weight, Tensor scale, "
+    "float epsilon) -> ()"
+)
+ADD_NORM_FP8 = (
+    "fused_add_rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor! residual, "
+    "Tensor weight, Tensor scale, float epsilon) -> ()"
 )
 FP4 = (
     "scaled_fp4_quant(Tensor input, Tensor input_scale, bool is_sf_swizzled_layout) "
@@ -58,6 +64,27 @@ def _static_fp8(result: Any, input: Any, scale: Any, group_shape: Any = None) ->
 
     assert scale.numel() == 1 and group_shape in (None, [-1, -1]), (scale.shape, group_shape)
     result.copy_(fp8_static_quant(input, scale))
+
+
+def _norm_fp8(result: Any, input: Any, weight: Any, scale: Any, epsilon: float) -> None:
+    """The kernels' arithmetic, per row: the fp32 sum of squares of the (rounded) input,
+    ``rsqrt(sum / hidden + eps)``, ``(scalar_t)(x * rsqrt)`` times the weight of the input's
+    dtype rounded to it again (c10's operator*), then static_scaled_fp8_quant's conversion."""
+    from pcie_allreduce.testing import fp8_static_quant
+
+    assert weight.dtype == input.dtype and scale.numel() == 1, (weight.dtype, scale.shape)
+    x = input.float()
+    inv = (x * x).mean(-1, keepdim=True).add(epsilon).rsqrt()
+    result.copy_(fp8_static_quant((x * inv).to(input.dtype) * weight, scale))
+
+
+def _add_norm_fp8(
+    result: Any, input: Any, residual: Any, weight: Any, scale: Any, epsilon: float
+) -> None:
+    """``residual = (scalar_t)(input + residual)`` in place, then the norm and quantisation of
+    that rounded sum."""
+    residual.copy_(input + residual)
+    _norm_fp8(result, residual, weight, scale, epsilon)
 
 
 def _fp4_out(input: Any, input_scale: Any, is_sf_swizzled_layout: bool, *, output, output_scale):  # noqa: ANN001, ANN202
@@ -97,14 +124,20 @@ def install() -> None:
     for schema in _DECLARED:
         lib.define(schema)
         lib.impl(schema.split("(", 1)[0], _unavailable, "CompositeExplicitAutograd")
-    lib.define(STATIC_FP8)
-    lib.impl("static_scaled_fp8_quant", _static_fp8, "CPU")
+    mutating = {  # ops that return nothing: their fakes too
+        STATIC_FP8: _static_fp8,
+        NORM_FP8: _norm_fp8,
+        ADD_NORM_FP8: _add_norm_fp8,
+    }
+    for schema, kernel in mutating.items():
+        lib.define(schema)
+        lib.impl(schema.split("(", 1)[0], kernel, "CPU")
     lib.define(FP4)
     lib.define(FP4_OUT)
     lib.impl("scaled_fp4_quant", _fp4, "CPU")
     lib.impl("scaled_fp4_quant.out", _fp4_out, "CPU")
 
-    for name in ("static_scaled_fp8_quant", "scaled_fp4_quant.out"):
+    for name in [*(s.split("(", 1)[0] for s in mutating), "scaled_fp4_quant.out"]:
         torch.library.register_fake(f"_C::{name}", lambda *args, **kwargs: None, lib=lib)
 
     @torch.library.register_fake("_C::scaled_fp4_quant", lib=lib)

@@ -18,11 +18,10 @@
 
 #include <cstddef>
 
-#include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
-#include "plan/quant.h"
 #include "plan/step.h"
+#include "transport/executors/cuda/epilogue.cuh"
 #include "transport/executors/cuda/kernel_params.h"
 #include "transport/executors/cuda/primitives.cuh"
 
@@ -808,111 +807,11 @@ __device__ __forceinline__ void meet_rank_ctas(const LaunchParams& p, const Call
   __syncthreads();
 }
 
-// Rows c.block, c.block + gridDim.x, ... of this rank's output (plan/epilogue.h): the CTA owns a
-// row. Vector position j (of kNormPartials / elements-per-vector) holds the partials of elements
-// j * kElems + e, so thread j's accumulators are exactly partials q = j * kElems + e, summed over
-// the row's vectors j, j + positions, ... in ascending order; the tree runs in shared memory. A
-// thread reads back only what it stored itself (residual_out; without a residual, the output it
-// read the sum from), so the passes need no barrier beyond the tree's.
-// The form (residual or not, y stored or not, quantised or not) is the call's, the same for every
-// thread: its branches are uniform. The quantised output is one byte per element, so a vector's
-// goes out as one 8-byte store (bf16, fp16) or one 4-byte store (fp32).
-template <typename T>
-__device__ __forceinline__ void epilogue_rows(const LaunchParams& p, const Call& c) {
-  using M = VecMath<T>;
-  constexpr int kElems = M::kElems;
-  constexpr int kPositions = plan::kNormPartials / kElems;
-  static_assert(kElems == 8 || kElems == 4);
-  __shared__ float partials[plan::kNormPartials];
-  const int row_vecs =
-      static_cast<int>(p.hidden * static_cast<int64_t>(sizeof(T)) / plan::kVectorBytes);
-  const int64_t rows = p.numel / p.hidden;
-  const EpilogueTensors& tensors = p.epilogue[c.rank];
-  uint4* out = static_cast<uint4*>(p.outputs[c.rank]);
-  const uint4* residual = static_cast<const uint4*>(tensors.residual);
-  uint4* residual_out = static_cast<uint4*>(tensors.residual_out);
-  const uint4* weight = static_cast<const uint4*>(tensors.weight);
-  uint4* y = static_cast<uint4*>(tensors.y);
-  uint8_t* y_q = static_cast<uint8_t*>(tensors.y_q);
-  const float addend = plan::weight_addend(p.weight_offset);
-  const bool fp8 = p.quant == plan::Quant::kFp8E4m3;
-  // vLLM's 1 / scale: one division per CTA (the same bits in every CTA and on the host).
-  const float inv_scale = fp8 ? div_rn(1.0f, *tensors.scale) : 0.0f;
-  for (int64_t row = c.block; row < rows; row += gridDim.x) {
-    const int64_t base = row * row_vecs;
-    for (int j = thread_index(); j < kPositions; j += blockDim.x) {
-      float acc[kElems];
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[e] = 0.0f;
-      for (int v = j; v < row_vecs; v += kPositions) {
-        float a[kElems];
-        uint4 r = load_cg(out + base + v);
-        if (residual != nullptr) {
-          float b[kElems];
-          M::widen(r, a);
-          M::widen(load_cg(residual + base + v), b);
-#pragma unroll
-          for (int e = 0; e < kElems; ++e) a[e] = add_rn(a[e], b[e]);
-          r = M::narrow(a);
-          store_cg(residual_out + base + v, r);
-        }
-        M::widen(r, a);
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[e] = add_rn(acc[e], mul_rn(a[e], a[e]));
-      }
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) partials[j * kElems + e] = acc[e];
-    }
-    __syncthreads();
-    for (int h = plan::kNormPartials / 2; h >= 1; h /= 2) {
-      for (int q = thread_index(); q < h; q += blockDim.x) {
-        partials[q] = add_rn(partials[q], partials[q + h]);
-      }
-      __syncthreads();
-    }
-    const float mean = div_rn(partials[0], static_cast<float>(p.hidden));
-    const float rstd = div_rn(1.0f, sqrt_rn(add_rn(mean, p.eps)));
-    for (int j = thread_index(); j < kPositions; j += blockDim.x) {
-      for (int v = j; v < row_vecs; v += kPositions) {
-        float a[kElems];
-        float w[kElems];
-        M::widen(load_cg(residual_out + base + v), a);
-        M::widen(load_cg(weight + v), w);
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) a[e] = mul_rn(mul_rn(a[e], rstd), add_rn(w[e], addend));
-        const uint4 y_vec = M::narrow(a);
-        if (y != nullptr) store_cg(y + base + v, y_vec);
-        if (fp8) {
-          M::widen(y_vec, a);  // the y stored: rounded to the dtype, then widened (exact)
-          uint32_t q[kElems / 4];
-#pragma unroll
-          for (int i = 0; i < kElems / 4; ++i) {
-            q[i] = 0;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const float scaled = mul_rn(a[4 * i + k], inv_scale);
-              const uint8_t code = plan::fp8_e4m3_from_float(plan::fp8_e4m3_clamp(scaled));
-              q[i] |= static_cast<uint32_t>(code) << (8 * k);
-            }
-          }
-          uint8_t* dst = y_q + (base + v) * kElems;
-          if constexpr (kElems == 8) {
-            store_cg_v2_u32(dst, q[0], q[1]);
-          } else {
-            store_cg_u32(dst, q[0]);
-          }
-        }
-      }
-    }
-    __syncthreads();  // partials[0] read by every thread before the next row's partials
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ void run_epilogue(const LaunchParams& p, const Call& c,
                                              const plan::Program& program, int s) {
   meet_rank_ctas(p, c, s, program.steps[s]);
-  epilogue_rows<T>(p, c);
+  epilogue_rows<T>(p, c.rank, c.block);
 }
 
 template <typename T, plan::Direction D>

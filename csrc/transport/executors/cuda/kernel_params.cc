@@ -41,8 +41,9 @@ LaunchParams make_launch_params(const WorkspaceView& workspace, const ProgramSet
 }
 
 void set_epilogue(LaunchParams& p, int rank, const plan::EpilogueArgs& args) {
-  if (args.quant == plan::Quant::kNvfp4) {  // admission declines it (Decline::kQuant)
-    throw std::logic_error("the CUDA executor does not run the NVFP4 epilogue");
+  if (args.quant == plan::Quant::kNvfp4 && p.dtype == plan::DType::kFP32) {
+    // The ops refuse it too (comm/arguments.cc): NVFP4 quantises bf16 or fp16.
+    throw std::invalid_argument("the CUDA executor's NVFP4 epilogue takes bf16 or fp16 rows");
   }
   EpilogueTensors& t = p.epilogue[rank];
   t.residual = args.residual;
@@ -51,6 +52,9 @@ void set_epilogue(LaunchParams& p, int rank, const plan::EpilogueArgs& args) {
   t.y = args.y;
   t.y_q = args.y_q;
   t.scale = args.scale;
+  t.block_scale = args.block_scale;
+  t.first_row = args.first_row;
+  t.total_rows = args.total_rows;
   p.hidden = args.hidden;
   p.eps = args.eps;
   p.weight_offset = args.weight_offset;

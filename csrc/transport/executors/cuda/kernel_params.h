@@ -32,6 +32,11 @@ struct EpilogueTensors {
   void* y = nullptr;  // null: y is never stored (only y_q is asked for)
   void* y_q = nullptr;
   const float* scale = nullptr;  // quant != kNone: one fp32, read once per CTA
+  // kNvfp4: the whole tensor's block scales, and where this call's rows are in it
+  // (plan::EpilogueArgs).
+  uint8_t* block_scale = nullptr;
+  int64_t first_row = 0;
+  int64_t total_rows = 0;
 };
 
 // Everything one launch needs, passed to the kernel by value. Arrays are indexed by rank; a
