@@ -135,12 +135,11 @@ PCIE_AR_EPILOGUE_INLINE void epilogue_rows(const typename Codec::Bits* sum,
       if (y != nullptr) {
         for (int k = 0; k < n; ++k) y[base + i + k] = bits[k];
       }
-      if (fp8) {
+      if (fp8 || nvfp4) {  // the quantisations take the rounded y, widened (exact)
         for (int k = 0; k < n; ++k) a[k] = Codec::to_float(bits[k]);
-        quant_simd::fp8_quantise<L>(a, n, inv_scale, y_q + base + i);
       }
+      if (fp8) quant_simd::fp8_quantise<L>(a, n, inv_scale, y_q + base + i);
       if (nvfp4) {
-        for (int k = 0; k < n; ++k) a[k] = Codec::to_float(bits[k]);
         nvfp4_tile<L>(a, n, global_scale, inv_scale, args.block_scale, args.first_row + row,
                       i / plan::kNvfp4Block, k_tiles, y_q + base / 2 + i / 2);
       }
