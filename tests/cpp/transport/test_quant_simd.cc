@@ -67,7 +67,7 @@ void expect_nvfp4_equal(const std::vector<float>& v, float global_scale) {
   for (size_t start = 0; start + kBlocks * kB <= v.size(); start += kBlocks * kB) {
     const float* tile = v.data() + start;
     const int blocks = start % 3 == 0 ? kBlocks : 13;  // also padding columns
-    quant_simd::block_amax<L>(tile, blocks, amax.data());
+    quant_simd::block_amax<L>(tile, blocks, kBlocks, amax.data());
     quant_simd::nvfp4_scales<L>(amax.data(), blocks, kBlocks, global_scale, inv_global_scale,
                                 bytes.data(), out_scale.data());
     quant_simd::e2m1_quantise<L>(tile, out_scale.data(), blocks * kB, codes.data());

@@ -6,6 +6,7 @@
 // on AVX-512, against 0.19 here). Every compare is signed on a magnitude (never negative).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 
@@ -24,38 +25,36 @@ namespace pcie_ar::transport::quant_simd {
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
-// A permutation of a vector's lanes by an index vector. Clang has no __builtin_shuffle (its
-// __builtin_shufflevector takes literal indices): there the lanes go through memory.
+// The lanes of two vectors, a and b, picked by an index vector (index < L: a's lane, else b's
+// lane index - L). Clang has no __builtin_shuffle (its __builtin_shufflevector takes literal
+// indices): there the lanes go through memory.
 #if defined(__clang__)
-#define PCIE_AR_QUANT_SHUFFLE(v, index)                                            \
-  [&](auto in, auto at) {                                                          \
+#define PCIE_AR_QUANT_SHUFFLE2(a, b, index)                                        \
+  [&](auto in, auto other, auto at) {                                              \
+    constexpr int n = static_cast<int>(sizeof(in) / 4);                            \
     decltype(in) out{};                                                            \
-    for (int l = 0; l < static_cast<int>(sizeof(in) / 4); ++l) out[l] = in[at[l]]; \
+    for (int l = 0; l < n; ++l) out[l] = at[l] < n ? in[at[l]] : other[at[l] - n]; \
     return out;                                                                    \
-  }(v, index)
+  }(a, b, index)
 #else
-#define PCIE_AR_QUANT_SHUFFLE(v, index) __builtin_shuffle(v, index)
+#define PCIE_AR_QUANT_SHUFFLE2(a, b, index) __builtin_shuffle(a, b, index)
 #endif
 
 // The lane types of width L (their vector_size must not depend on a template parameter: GCC
-// drops it there), and the narrowings to bytes.
+// drops it there), Lanes<L> naming them, and the codes' packing into nibbles.
+template <int L>
+struct Lanes;
 #define PCIE_AR_QUANT_LANES(L, HALF)                                                      \
   typedef int32_t i32x##L __attribute__((vector_size(4 * (L))));                          \
-  typedef uint32_t u32x##L __attribute__((vector_size(4 * (L))));                         \
   typedef float f32x##L __attribute__((vector_size(4 * (L))));                            \
   typedef uint8_t u8x##L __attribute__((vector_size(L)));                                 \
   typedef uint64_t u64x##HALF __attribute__((vector_size(8 * (HALF))));                   \
   typedef uint8_t u8x##HALF##h __attribute__((vector_size(HALF)));                        \
-  PCIE_AR_QUANT_INLINE i32x##L lane_max(i32x##L v) { /* every lane: the max of all */     \
-    i32x##L lane{};                                                                       \
-    for (int l = 0; l < (L); ++l) lane[l] = l;                                            \
-    for (int w = (L) / 2; w >= 1; w /= 2) {                                               \
-      const i32x##L other = PCIE_AR_QUANT_SHUFFLE(v, lane ^ w);                           \
-      const i32x##L larger = other > v;                                                   \
-      v = (larger & other) | (~larger & v);                                               \
-    }                                                                                     \
-    return v;                                                                             \
-  }                                                                                       \
+  template <>                                                                             \
+  struct Lanes<L> {                                                                       \
+    using I32 = i32x##L;                                                                  \
+    using F32 = f32x##L;                                                                  \
+  };                                                                                      \
   /* Lanes 2k and 2k + 1 (4-bit codes) into byte k: 2k in the low nibble. */              \
   PCIE_AR_QUANT_INLINE u8x##HALF##h nibble_pairs(i32x##L v) {                             \
     const u64x##HALF pair = (u64x##HALF)v;                                                \
@@ -87,50 +86,41 @@ PCIE_AR_QUANT_INLINE u8x8 low_bytes(i32x8 v) {
   return low;
 }
 
-template <int L>
-struct Lanes;
-template <>
-struct Lanes<4> {
-  using I32 = i32x4;
-  using U32 = u32x4;
-  using F32 = f32x4;
-};
-template <>
-struct Lanes<8> {
-  using I32 = i32x8;
-  using U32 = u32x8;
-  using F32 = f32x8;
-};
-template <>
-struct Lanes<16> {
-  using I32 = i32x16;
-  using U32 = u32x16;
-  using F32 = f32x16;
-};
-
 template <typename V>
 PCIE_AR_QUANT_INLINE V pick(V mask, V if_set, V otherwise) {
   return (mask & if_set) | (~mask & otherwise);
 }
 
-// plan::fp8_e4m3_from_float(plan::fp8_e4m3_clamp(v)) of each lane: the clamp's saturation is the
-// normal path's min (every |v| >= 448, infinities and NaNs included, rounds to a code >= 0x7E),
-// and its NaN -> +448 is the sign dropped for a NaN. Equal to the scalar pair on all 2^32 inputs
-// (checked on each ISA when written; test_host_epilogue.cc's FP8 cases check it in CI).
+// Lane-wise signed min and max: one instruction each (vpminsd / vpmaxsd), where a pick of a
+// compare takes two.
+template <typename V>
+PCIE_AR_QUANT_INLINE V lane_min(V a, V b) {
+  return a < b ? a : b;
+}
+template <typename V>
+PCIE_AR_QUANT_INLINE V lane_max(V a, V b) {
+  return a > b ? a : b;
+}
+
+// plan::fp8_e4m3_from_float(plan::fp8_e4m3_clamp(v)) of each lane, by one rounding add, as
+// e2m1_codes: |v| is first clamped to 448 (e4m3's largest, exact: infinities, NaNs and every
+// |v| > 448 become its code 0x7E, as the clamp saturates them); with E the exponent of
+// max(|v|, 2^-6) (the subnormal step 2^-9 is the lowest binade's), |v| + 2^(E + 20) rounds |v| to
+// that binade's step, 2^(E - 3), to nearest even, and the bits it adds are the step count k
+// (8 <= k <= 16 above 2^-6: 16 is the next binade's first code); the code is 8 (E + 6) + k. A NaN
+// loses its sign, as the clamp's NaN -> +448. Equal to the scalar pair on all 2^32 inputs
+// (checked on each ISA when written; QuantSimd and the host epilogue's FP8 cases check it in CI).
 template <int L>
 PCIE_AR_QUANT_INLINE typename Lanes<L>::I32 fp8_codes(typename Lanes<L>::F32 v) {
   using I32 = typename Lanes<L>::I32;
-  using U32 = typename Lanes<L>::U32;
   using F32 = typename Lanes<L>::F32;
   const I32 x = (I32)v;
   const I32 a = x & 0x7fffffff;
-  const U32 carry = (U32)a + 0x7ffffu + ((a >> 20) & 1);
-  const U32 shifted = carry >> 20;  // logical: a NaN's carry passes 2^31
-  const I32 biased = (I32)shifted - (120 << 3);
-  const I32 normal = pick<I32>(biased < 0x7e, biased, I32{} + 0x7e);
-  const F32 stepped = (F32)a + 16384.0f;
-  const I32 subnormal = (I32)stepped - 0x46800000;
-  const I32 code = pick<I32>(a >= 0x3c800000, normal, subnormal);
+  const I32 clamped = lane_min(a, I32{} + 0x43e00000);                      // 448.0f
+  const I32 exponent = lane_max(clamped & 0x7f800000, I32{} + 0x3c800000);  // 2^-6
+  const I32 magic = exponent + (20 << 23);
+  const F32 stepped = (F32)clamped + (F32)magic;
+  const I32 code = ((I32)stepped - magic) + ((exponent >> 20) - (121 << 3));
   return (~(a > 0x7f800000) & (x >> 24) & 0x80) | code;
 }
 
@@ -146,33 +136,74 @@ PCIE_AR_QUANT_INLINE typename Lanes<L>::I32 e2m1_codes(typename Lanes<L>::F32 v)
   using F32 = typename Lanes<L>::F32;
   const I32 x = (I32)v;
   const I32 a = x & 0x7fffffff;
-  const I32 clamped = pick<I32>(a < 0x41000000, a, I32{} + 0x41000000);  // 8.0f
+  const I32 clamped = lane_min(a, I32{} + 0x41000000);  // 8.0f
   const I32 binade = clamped & 0x7f800000;
-  const I32 exponent = pick<I32>(binade > 0x3f800000, binade, I32{} + 0x3f800000);  // 1.0f
+  const I32 exponent = lane_max(binade, I32{} + 0x3f800000);  // 1.0f
   const I32 magic = exponent + (22 << 23);
   const F32 stepped = (F32)clamped + (F32)magic;
   const I32 code = (exponent >> 22) - 254 + ((I32)stepped - magic);
-  const I32 saturated = pick<I32>(code < 0x7, code, I32{} + 0x7);
+  const I32 saturated = lane_min(code, I32{} + 0x7);
   return (~(a > 0x7f800000) & (x >> 28) & 0x8) | saturated;
+}
+
+// One level of block_amax's tree: m[0 .. Size) hold Size vectors whose lanes form groups of Size
+// lanes (one block each); m[i] becomes the max of the low and high halves of m[2i]'s groups
+// followed by m[2i + 1]'s (2 * L / Size groups of Size / 2 lanes), so the blocks stay in order.
+template <int L, int Size>
+constexpr std::array<int32_t, L> amax_tree_lanes(int half) {
+  std::array<int32_t, L> index{};
+  constexpr int kGroups = L / Size;
+  for (int l = 0; l < L; ++l) {
+    const int group = l / (Size / 2);  // m[2i]'s groups, then m[2i + 1]'s
+    index[l] = (group < kGroups ? 0 : L) + (group % kGroups) * Size + l % (Size / 2) + half;
+  }
+  return index;
+}
+template <int L, int Size>
+PCIE_AR_QUANT_INLINE void amax_tree_level(typename Lanes<L>::I32* m) {
+  if constexpr (Size > 1) {
+    using I32 = typename Lanes<L>::I32;
+    static constexpr std::array<int32_t, L> kLow = amax_tree_lanes<L, Size>(0);
+    static constexpr std::array<int32_t, L> kHigh = amax_tree_lanes<L, Size>(Size / 2);
+    I32 low;
+    I32 high;
+    std::memcpy(&low, kLow.data(), sizeof(low));
+    std::memcpy(&high, kHigh.data(), sizeof(high));
+    for (int i = 0; i < Size / 2; ++i) {
+      m[i] = lane_max(PCIE_AR_QUANT_SHUFFLE2(m[2 * i], m[2 * i + 1], low),
+                      PCIE_AR_QUANT_SHUFFLE2(m[2 * i], m[2 * i + 1], high));
+    }
+    amax_tree_level<L, Size / 2>(m);
+  }
 }
 
 // NVFP4's block amax (plan/quant.h) of each 16-element block of v, as the bits of a float: the
 // max of the magnitudes with NaNs ignored (a NaN lane counts -1, below every magnitude; signed
-// compares of magnitudes order them as their values), NaN only when all 16 are NaN.
+// compares of magnitudes order them as their values), NaN only when all 16 are NaN. `count`
+// blocks are written (a multiple of L); those from `blocks` on are padding columns (NaN, their
+// elements never read). L blocks at a time: each
+// block's lane-wise max as one vector, then a transposing tree of two-vector shuffles halves the
+// lanes per block at each level, L - 1 maxima for L blocks (a per-block reduction is log2(L)).
 template <int L>
-PCIE_AR_QUANT_INLINE void block_amax(const float* v, int blocks, int32_t* amax_bits) {
+PCIE_AR_QUANT_INLINE void block_amax(const float* v, int blocks, int count, int32_t* amax_bits) {
   using I32 = typename Lanes<L>::I32;
-  for (int j = 0; j < blocks; ++j) {
-    I32 mx = I32{} - 1;
-    for (int k = 0; k < plan::kNvfp4Block; k += L) {
-      I32 x;
-      std::memcpy(&x, v + j * plan::kNvfp4Block + k, sizeof(x));
-      const I32 a = x & 0x7fffffff;
-      const I32 m = pick<I32>(a > 0x7f800000, I32{} - 1, a);
-      mx = pick<I32>(m > mx, m, mx);
+  constexpr int kB = plan::kNvfp4Block;
+  static_assert(kB % L == 0);
+  for (int j0 = 0; j0 < count; j0 += L) {
+    I32 m[L];
+    for (int b = 0; b < L; ++b) {
+      m[b] = I32{} - 1;
+      if (j0 + b >= blocks) continue;
+      for (int k = 0; k < kB; k += L) {
+        I32 x;
+        std::memcpy(&x, v + (j0 + b) * kB + k, sizeof(x));
+        const I32 a = x & 0x7fffffff;
+        m[b] = lane_max(m[b], pick<I32>(a > 0x7f800000, I32{} - 1, a));
+      }
     }
-    const int32_t top = lane_max(mx)[0];
-    amax_bits[j] = top >= 0 ? top : 0x7fc00000;
+    amax_tree_level<L, L>(m);
+    const I32 amax = pick<I32>(m[0] >= 0, m[0], I32{} + 0x7fc00000);
+    std::memcpy(amax_bits + j0, &amax, sizeof(amax));
   }
 }
 
