@@ -57,6 +57,20 @@ class _Match:
     vals: list = field(default_factory=list)  # the meta values of the op's outputs
 
 
+@dataclass
+class _Quant:
+    """A quantisation of the norm's y that our op computes, found in the graph."""
+
+    quant: str  # "fp8" or "nvfp4"
+    scale: Any  # the node of its fp32 scale (NVFP4: the global scale)
+    fp8_impl: str  # FP8: the vLLM ops the graph held (vllm_fusion.FP8_IMPLS)
+    quantised: list  # nodes holding y_q
+    block_scales: list = field(default_factory=list)  # NVFP4: getitem(quant, 2)
+    dead: list = field(default_factory=list)  # the nodes it replaces, erased once unused
+    # The meta values of y_q (and NVFP4's block scales); empty: the match's own (already set)
+    vals: list = field(default_factory=list)
+
+
 # ---------------------------------------------------------------------- matching
 def _order(graph: Any) -> dict[Any, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
@@ -177,8 +191,7 @@ def _match_norm_quant(node: Any, group_name: str, order: dict[Any, int]) -> _Mat
     second = _val_of_item(node, 2, _val(residual)) if with_residual else _val(summed)
     m.vals = [_val_of_item(node, 1, fp8), second]
     m.dead = [kw["result"]]
-    found_quant: tuple = ("fp8", kw.get("scale"), "_C_fused", gets[1], [], [], [])
-    return m if _take_quant(m, found_quant, order) else None
+    return m if _take_quant(m, _Quant("fp8", kw.get("scale"), "_C_fused", gets[1]), order) else None
 
 
 def _norm_args(node: Any, *, with_residual: bool) -> Any:
@@ -279,22 +292,21 @@ def _quant_after(m: _Match, xv: Any, order: dict[Any, int]) -> None:
         _take_quant(m, found, order)
 
 
-def _take_quant(m: _Match, found: tuple, order: dict[Any, int]) -> bool:
-    """Fills a found quantisation ``(quant, scale, fp8_impl, quantised, block_scales, dead,
-    vals)`` into ``m`` when its scale is one fp32 defined before the op's place."""
+def _take_quant(m: _Match, found: _Quant, order: dict[Any, int]) -> bool:
+    """Fills a found quantisation into ``m`` when its scale is one fp32 defined before the op's
+    place. The op's outputs are (y_q, residual_out[, block_scale]): y_q's value replaces y's."""
     import torch
 
-    quant, scale, fp8_impl, quantised, block_scales, dead, vals = found
-    sv = _val(scale)
+    sv = _val(found.scale)
     if sv is None or sv.dtype != torch.float32 or sv.numel() != 1:
         return False
-    if order.get(scale, len(order)) >= order[m.at]:
+    if order.get(found.scale, len(order)) >= order[m.at]:
         return False  # the op goes where the sum is first read: the scale must be there
-    m.quant, m.scale, m.fp8_impl = quant, scale, fp8_impl
-    m.quantised, m.block_scales = quantised, block_scales
-    m.dead += dead
-    if vals:
-        m.vals = [vals[0], m.vals[1], *vals[1:]]
+    m.quant, m.scale, m.fp8_impl = found.quant, found.scale, found.fp8_impl
+    m.quantised, m.block_scales = found.quantised, found.block_scales
+    m.dead += found.dead
+    if found.vals:
+        m.vals = [found.vals[0], m.vals[1], *found.vals[1:]]
     return True
 
 
@@ -324,7 +336,7 @@ def _getitems(node: Any, allowed: tuple[int, ...]) -> dict[int, list] | None:
     return found
 
 
-def _fp8_vllm_op(y: Any, u: Any, xv: Any) -> Any:
+def _fp8_vllm_op(y: Any, u: Any, xv: Any) -> _Quant | None:
     """``auto_functionalized(_C.static_scaled_fp8_quant, result=, input=y, scale=,
     group_shape=[-1, -1])`` (MatcherQuantFP8 with vLLM's custom quant op)."""
     if not _functionalized(u, "_C::static_scaled_fp8_quant", ""):
@@ -338,7 +350,9 @@ def _fp8_vllm_op(y: Any, u: Any, xv: Any) -> Any:
     if result is None or gets is None:
         return None
     result_node = kw["result"]
-    return "fp8", kw["scale"], "_C", gets[1], [], [u, result_node], [_val_of_item(u, 1, result)]
+    return _Quant(
+        "fp8", kw["scale"], "_C", gets[1], [], [u, result_node], [_val_of_item(u, 1, result)]
+    )
 
 
 def _fp8_result(result: Any, xv: Any) -> Any:
@@ -351,7 +365,7 @@ def _fp8_result(result: Any, xv: Any) -> Any:
     return rv
 
 
-def _fp8_native(y: Any, u: Any) -> Any:
+def _fp8_native(y: Any, u: Any) -> _Quant | None:
     """QuantFP8.forward_native (static, per tensor) as Inductor's decompositions trace it:
     ``convert_element_type(y, float32) * reciprocal(scale)``, ``clamp_min(-448)``,
     ``clamp_max(448)`` (or one ``clamp``), ``convert_element_type(float8_e4m3fn)``."""
@@ -384,10 +398,10 @@ def _fp8_native(y: Any, u: Any) -> Any:
         return None
     if node is None or node.target is not convert or node.args[1:] != (torch.float8_e4m3fn,):
         return None
-    return "fp8", rcp.args[0], "native", [node], [], [*chain, rcp], [_val(node)]
+    return _Quant("fp8", rcp.args[0], "native", [node], [], [*chain, rcp], [_val(node)])
 
 
-def _nvfp4(y: Any, u: Any, xv: Any) -> Any:
+def _nvfp4(y: Any, u: Any, xv: Any) -> _Quant | None:
     """``auto_functionalized(_C.scaled_fp4_quant.out, input=y, input_scale=,
     is_sf_swizzled_layout=True, output=, output_scale=)``, outputs of vLLM's layout, on bf16 or
     fp16 rows of whole NVFP4 blocks."""
@@ -415,4 +429,4 @@ def _nvfp4(y: Any, u: Any, xv: Any) -> Any:
         return None
     dead = [u, kw["output"], kw["output_scale"]]
     vals = [_val_of_item(u, 1, output), _val_of_item(u, 2, output_scale)]
-    return "nvfp4", kw["input_scale"], "_C", gets[1], gets[2], dead, vals
+    return _Quant("nvfp4", kw["input_scale"], "_C", gets[1], gets[2], dead, vals)

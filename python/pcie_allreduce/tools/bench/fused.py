@@ -62,70 +62,107 @@ def _quant_wrong(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) 
 
 
 def worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
-    if opts.get("quant"):
-        return quant_worker(rank, world, port, opts, queue)
-    dtype_name, hidden = opts["dtype"], opts["hidden"]
+    """Times the fused call (``--quant``: the quantised fused call, beside the plain fused one
+    instead of our all-reduce alone) with the unfused path and the fallback, which end with the
+    engine's quantisation in torch when there is one."""
+    dtype_name, hidden, quant = opts["dtype"], opts["hidden"], opts.get("quant")
     dtype = DTYPES[dtype_name]
-    elem = torch.tensor([], dtype=dtype).element_size()
-    row_bytes = hidden * elem
+    row_bytes = hidden * torch.tensor([], dtype=dtype).element_size()
     rows_list = [n for n in BATCH_ROWS if opts["min_bytes"] <= n * row_bytes <= opts["max_bytes"]]
     r = set_up(rank, world, port, opts, max(rows_list) * hidden)
     g = torch.Generator().manual_seed(12345)  # the residual stream and weight: replicated
     weight = torch.randn(hidden, generator=g).to(dtype).to(r.device)
-    report = Report(r, _format_row)
+    scale = None
+    if quant:
+        scale = torch.tensor([_SCALES[quant]], dtype=torch.float32, device=r.device)
+    subject = "quant" if quant else "fused"  # the timed call's name in the row
+    report = Report(r, _format_quant_row if quant else _format_row)
     for rows in rows_list:
         xs = [rank_input(q, rows * hidden, dtype).view(rows, hidden) for q in range(world)]
         x = xs[rank].to(r.device)
         residual = torch.randn(rows, hidden, generator=g).to(dtype).to(r.device)
         y, res_out = r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
+        got = None
+        if quant:
+            got = r.ar.all_reduce_rms_norm(
+                x, weight, _EPS, residual=residual, quant=quant, scale=scale
+            )
         r.ar.synchronize()
         wrong = _fused_wrong(r, y, res_out, xs, residual, weight, dtype_name)
+        if got is not None:
+            assert quant is not None and scale is not None
+            wrong += _quant_wrong((got[0], *got[2:]), _quantised(y.cpu(), quant, scale.cpu()))
+            wrong += int(not torch.equal(got[1], res_out))
+            wrong = max(wrong, 1) if ranks_differ(r, *got) else wrong
         scratch = x.clone()
+
+        def normed(s: torch.Tensor) -> None:  # the unfused paths' end: norm (and quantisation)
+            n = torch.nn.functional.rms_norm(s + residual, (hidden,), weight, _EPS)
+            if quant:
+                assert scale is not None
+                _quantised(n, quant, scale)
 
         def fused() -> None:
             r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
+
+        def quantised() -> None:
+            r.ar.all_reduce_rms_norm(x, weight, _EPS, residual=residual, quant=quant, scale=scale)
 
         def plain() -> None:
             r.ar.all_reduce(x)
 
         def unfused() -> None:
-            s = r.ar.all_reduce(x)
-            torch.nn.functional.rms_norm(s + residual, (hidden,), weight, _EPS)
+            normed(r.ar.all_reduce(x))
 
         def fallback() -> None:
             scratch.copy_(x)
             dist.all_reduce(scratch, group=r.group)
-            torch.nn.functional.rms_norm(scratch + residual, (hidden,), weight, _EPS)
+            normed(scratch)
 
-        variants = {"fused": fused, "plain": plain, "unfused": unfused, "fallback": fallback}
-        best = best_of_rounds(r, variants, opts)
-        report.add(
-            {
-                "size": rows * row_bytes,
-                "rows": rows,
-                "hidden": hidden,
-                "type": dtype_name,
-                "fused_us": best["fused"] * 1e6,
-                "plain_us": best["plain"] * 1e6,
-                "unfused_us": best["unfused"] * 1e6,
-                "fallback_us": best["fallback"] * 1e6,
-                "fused_over_plain": best["fused"] / best["plain"],
-                "unfused_over_fused": best["unfused"] / best["fused"],
-                "fallback_over_fused": best["fallback"] / best["fused"],
-                "wrong": wrong,
-                "path": (r.ar.fused_decline_reason(x, residual, weight) or r.ar.chosen_tactic(x)),
-            }
+        variants = (
+            {"quant": quantised, "plain": fused} if quant else {"fused": fused, "plain": plain}
         )
+        best = best_of_rounds(r, {**variants, "unfused": unfused, "fallback": fallback}, opts)
+        if quant:
+            op = f"all_reduce_add_rms_norm_{quant}"
+            path = r.ar.decline(op, x, weight) or r.ar.tactic(op, x, weight)
+        else:
+            path = r.ar.fused_decline_reason(x, residual, weight) or r.ar.chosen_tactic(x)
+        row = {
+            "size": rows * row_bytes,
+            "rows": rows,
+            "hidden": hidden,
+            "type": dtype_name,
+            **({"quant": quant} if quant else {}),
+            f"{subject}_us": best[subject] * 1e6,
+            "plain_us": best["plain"] * 1e6,
+            "unfused_us": best["unfused"] * 1e6,
+            "fallback_us": best["fallback"] * 1e6,
+            f"{subject}_over_plain": best[subject] / best["plain"],
+            f"unfused_over_{subject}": best["unfused"] / best[subject],
+            f"fallback_over_{subject}": best["fallback"] / best[subject],
+            "wrong": wrong,
+            "path": path,
+        }
+        report.add(row)
     report.finish(queue)
 
 
-def _format_row(r: dict[str, Any]) -> str:
+def _format(r: dict[str, Any], subject: str) -> str:
     return (
-        f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['fused_us']:>9.2f} "
+        f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r[subject + '_us']:>9.2f} "
         f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
-        f"{r['fused_over_plain']:>8.2f}x {r['unfused_over_fused']:>8.2f}x "
-        f"{r['fallback_over_fused']:>8.2f}x {r['wrong']:>6}  {r['path']}"
+        f"{r[subject + '_over_plain']:>8.2f}x {r['unfused_over_' + subject]:>8.2f}x "
+        f"{r['fallback_over_' + subject]:>8.2f}x {r['wrong']:>6}  {r['path']}"
     )
+
+
+def _format_row(r: dict[str, Any]) -> str:
+    return _format(r, "fused")
+
+
+def _format_quant_row(r: dict[str, Any]) -> str:
+    return _format(r, "quant")
 
 
 def print_header(transport: str, world: int, dtype_name: str, hidden: int) -> None:
@@ -140,79 +177,6 @@ def print_header(transport: str, world: int, dtype_name: str, hidden: int) -> No
         f"# {'size(B)':>8} {'rows':>5} {'type':>5} {'fused':>9} {'plain':>9} {'unfused':>9} "
         f"{'fallback':>9} {'fus/plain':>9} {'unf/fus':>9} {'fb/fus':>9} {'#wrong':>6}  path",
         flush=True,
-    )
-
-
-def quant_worker(rank: int, world: int, port: int, opts: dict[str, Any], queue: Any) -> None:
-    dtype_name, hidden, quant = opts["dtype"], opts["hidden"], opts["quant"]
-    dtype = DTYPES[dtype_name]
-    row_bytes = hidden * torch.tensor([], dtype=dtype).element_size()
-    rows_list = [n for n in BATCH_ROWS if opts["min_bytes"] <= n * row_bytes <= opts["max_bytes"]]
-    r = set_up(rank, world, port, opts, max(rows_list) * hidden)
-    g = torch.Generator().manual_seed(12345)
-    weight = torch.randn(hidden, generator=g).to(dtype).to(r.device)
-    scale = torch.tensor([_SCALES[quant]], dtype=torch.float32, device=r.device)
-    report = Report(r, _format_quant_row)
-    for rows in rows_list:
-        xs = [rank_input(q, rows * hidden, dtype).view(rows, hidden) for q in range(world)]
-        x = xs[rank].to(r.device)
-        residual = torch.randn(rows, hidden, generator=g).to(dtype).to(r.device)
-        y, res_out = r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
-        got = r.ar.all_reduce_rms_norm(x, weight, _EPS, residual=residual, quant=quant, scale=scale)
-        r.ar.synchronize()
-        wrong = _fused_wrong(r, y, res_out, xs, residual, weight, dtype_name)
-        wrong += _quant_wrong((got[0], *got[2:]), _quantised(y.cpu(), quant, scale.cpu()))
-        wrong += int(not torch.equal(got[1], res_out))
-        wrong = max(wrong, 1) if ranks_differ(r, *got) else wrong
-        scratch = x.clone()
-
-        def quantised() -> None:
-            r.ar.all_reduce_rms_norm(x, weight, _EPS, residual=residual, quant=quant, scale=scale)
-
-        def plain() -> None:
-            r.ar.all_reduce_add_rms_norm(x, residual, weight, _EPS)
-
-        def unfused() -> None:
-            s = r.ar.all_reduce(x)
-            n = torch.nn.functional.rms_norm(s + residual, (hidden,), weight, _EPS)
-            _quantised(n, quant, scale)
-
-        def fallback() -> None:
-            scratch.copy_(x)
-            dist.all_reduce(scratch, group=r.group)
-            n = torch.nn.functional.rms_norm(scratch + residual, (hidden,), weight, _EPS)
-            _quantised(n, quant, scale)
-
-        variants = {"quant": quantised, "plain": plain, "unfused": unfused, "fallback": fallback}
-        best = best_of_rounds(r, variants, opts)
-        op = f"all_reduce_add_rms_norm_{quant}"
-        report.add(
-            {
-                "size": rows * row_bytes,
-                "rows": rows,
-                "hidden": hidden,
-                "type": dtype_name,
-                "quant": quant,
-                "quant_us": best["quant"] * 1e6,
-                "plain_us": best["plain"] * 1e6,
-                "unfused_us": best["unfused"] * 1e6,
-                "fallback_us": best["fallback"] * 1e6,
-                "quant_over_plain": best["quant"] / best["plain"],
-                "unfused_over_quant": best["unfused"] / best["quant"],
-                "fallback_over_quant": best["fallback"] / best["quant"],
-                "wrong": wrong,
-                "path": r.ar.decline(op, x, weight) or r.ar.tactic(op, x, weight),
-            }
-        )
-    report.finish(queue)
-
-
-def _format_quant_row(r: dict[str, Any]) -> str:
-    return (
-        f"{r['size']:>10} {r['rows']:>5} {r['type']:>5} {r['quant_us']:>9.2f} "
-        f"{r['plain_us']:>9.2f} {r['unfused_us']:>9.2f} {r['fallback_us']:>9.2f} "
-        f"{r['quant_over_plain']:>8.2f}x {r['unfused_over_quant']:>8.2f}x "
-        f"{r['fallback_over_quant']:>8.2f}x {r['wrong']:>6}  {r['path']}"
     )
 
 
