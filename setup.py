@@ -40,7 +40,12 @@ class CMakeBuild(build_ext):
         ]
         if shutil.which("ninja") and not (build_dir / "CMakeCache.txt").exists():
             configure += ["-G", "Ninja"]
-        for var in ("PCIE_AR_CUDA_ARCHS", "PCIE_AR_WITH_CUDA", "PCIE_AR_BUILD_TESTS"):
+        for var in (
+            "PCIE_AR_CUDA_ARCHS",
+            "PCIE_AR_WITH_CUDA",
+            "PCIE_AR_BUILD_TESTS",
+            "PCIE_AR_WERROR",
+        ):
             if var in env:
                 configure.append(f"-D{var}={env[var]}")
         subprocess.check_call(configure, env=env)
