@@ -75,7 +75,11 @@ step() {
   ((limit > left)) && limit=$left
   echo "==== $name (limit ${limit} s) ===="
   local t0=$SECONDS rc status
-  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  # Line-buffered (stdbuf, where there is one): a killed program's log keeps every line it
+  # printed, where a file's block buffer would lose the last few kilobytes.
+  local line_buffered=()
+  command -v stdbuf >/dev/null && line_buffered=(stdbuf -oL -eL)
+  timeout -k 5 "$limit" "${line_buffered[@]}" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   case $rc in
     0) status=ok ;;
@@ -123,8 +127,8 @@ fi
 check="$BIN/pcie_gpu_check"
 
 # The cost model's constants: fences, polls, the launch floor with and without PDL, host-memory
-# round trips over PCIe, the pinned-copy baseline.
-step microbench 60 "$BIN/pcie_gpu_microbench"
+# round trips over PCIe, the pinned-copy baseline; each also one JSON line in microbench.jsonl.
+step microbench 60 env PCIE_GPU_JSONL="$OUT/microbench.jsonl" "$BIN/pcie_gpu_microbench"
 # Correctness of every schedule at world 2, graph replay, and its latency tables (loopback; one
 # virtual rank's workspace in host memory; every workspace in host memory).
 step loopback-w2 90 "$check" --world=2

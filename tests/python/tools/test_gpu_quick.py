@@ -31,7 +31,8 @@ esac
 """
 STUB_MICROBENCH = """#!/usr/bin/env bash
 echo "microbench $(wc -l < "$OUT/results.jsonl")" >> "$STUB_DIR/calls.log"
-echo '{"bench": "system_fence_us", "value": 1.5}'
+echo "# system fence"
+echo '{"bench": "system_fence", "fence_ns": 1500}' >> "$PCIE_GPU_JSONL"
 """
 # The stub interpreter of the torch part's checks, by script.
 STUB_PYTHON = """#!/usr/bin/env bash
@@ -111,7 +112,8 @@ def test_every_step_runs_after_a_failure_a_trap_and_a_timeout(tmp_path: Path) ->
     out = tmp_path / "out"
     assert "all passed" in (out / "loopback-w2.log").read_text()
     assert "started world 8" in (out / "loopback-w8.log").read_text()
-    assert "system_fence_us" in (out / "microbench.log").read_text()
+    assert "# system fence" in (out / "microbench.log").read_text()
+    assert json.loads((out / "microbench.jsonl").read_text())["fence_ns"] == 1500
     # Every step found the results of all steps before it already written (nothing held back
     # to the end), and only the PDL-off step ran with PDL off.
     calls = (tmp_path / "stubs" / "calls.log").read_text().splitlines()
