@@ -161,12 +161,11 @@ __device__ __forceinline__ void epilogue_rows_of(const LaunchParams& p, int rank
   uint8_t* y_q = static_cast<uint8_t*>(tensors.y_q);
   const float addend = plan::weight_addend(p.weight_offset);
   const bool fp8 = !kNvfp4 && p.quant == plan::Quant::kFp8E4m3;
-  constexpr bool nvfp4 = kNvfp4;
   // vLLM's 1 / scale (FP8), NVFP4's G and 1 / G: one division per CTA (the same bits in every CTA
   // and on the host).
-  const float inv_scale = fp8 || nvfp4 ? div_rn(1.0f, *tensors.scale) : 0.0f;
+  const float inv_scale = fp8 || kNvfp4 ? div_rn(1.0f, *tensors.scale) : 0.0f;
   const Nvfp4Out nv{tensors.block_scale, static_cast<int>(plan::nvfp4_k_tiles(p.hidden)),
-                    static_cast<int>(p.hidden / plan::kNvfp4Block), nvfp4 ? *tensors.scale : 0.0f,
+                    static_cast<int>(p.hidden / plan::kNvfp4Block), kNvfp4 ? *tensors.scale : 0.0f,
                     inv_scale};
   for (int64_t row = block; row < rows; row += gridDim.x) {
     const int64_t base = row * row_vecs;
@@ -203,7 +202,7 @@ __device__ __forceinline__ void epilogue_rows_of(const LaunchParams& p, int rank
     const float mean = div_rn(partials[0], static_cast<float>(p.hidden));
     const float rstd = div_rn(1.0f, sqrt_rn(add_rn(mean, p.eps)));
     if constexpr (kNvfp4) {
-      nvfp4_row<T>(residual_out, weight, y, base, rstd, addend, nv, tensors.first_row + row,
+      nvfp4_row<T>(residual_out, weight, y, base, rstd, addend, nv, p.first_row + row,
                    y_q + row * (p.hidden / 2));
     } else {
       for (int j = thread_index(); j < kPositions; j += blockDim.x) {
@@ -234,8 +233,8 @@ __device__ __forceinline__ void epilogue_rows_of(const LaunchParams& p, int rank
     }
     __syncthreads();  // partials[0] read by every thread before the next row's partials
   }
-  if (kNvfp4 && tensors.first_row + rows == tensors.total_rows) {
-    nvfp4_padding_rows(nv, tensors.total_rows, block);
+  if (kNvfp4 && p.first_row + rows == p.total_rows) {
+    nvfp4_padding_rows(nv, p.total_rows, block);
   }
 }
 

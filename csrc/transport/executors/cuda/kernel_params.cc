@@ -53,12 +53,12 @@ void set_epilogue(LaunchParams& p, int rank, const plan::EpilogueArgs& args) {
   t.y_q = args.y_q;
   t.scale = args.scale;
   t.block_scale = args.block_scale;
-  t.first_row = args.first_row;
-  t.total_rows = args.total_rows;
   p.hidden = args.hidden;
   p.eps = args.eps;
   p.weight_offset = args.weight_offset;
   p.quant = args.quant;
+  p.first_row = args.first_row;
+  p.total_rows = args.total_rows;
 }
 
 uint64_t timeout_to_ns(double timeout_s) {

@@ -32,11 +32,9 @@ struct EpilogueTensors {
   void* y = nullptr;  // null: y is never stored (only y_q is asked for)
   void* y_q = nullptr;
   const float* scale = nullptr;  // quant != kNone: one fp32, read once per CTA
-  // kNvfp4: the whole tensor's block scales, and where this call's rows are in it
-  // (plan::EpilogueArgs).
+  // kNvfp4: the whole tensor's block scales (plan::EpilogueArgs; where this call's rows lie in
+  // it is the same on every rank: LaunchParams::first_row).
   uint8_t* block_scale = nullptr;
-  int64_t first_row = 0;
-  int64_t total_rows = 0;
 };
 
 // Everything one launch needs, passed to the kernel by value. Arrays are indexed by rank; a
@@ -80,6 +78,9 @@ struct LaunchParams {
   float eps = 0.0f;
   float weight_offset = 0.0f;
   plan::Quant quant = plan::Quant::kNone;
+  // kNvfp4: this call's rows are rows first_row.. of a tensor of total_rows (plan::EpilogueArgs).
+  int64_t first_row = 0;
+  int64_t total_rows = 0;
 };
 // Passed by value as a __grid_constant__ kernel parameter: within the 4 KiB every CUDA
 // toolkit and architecture accepts.
