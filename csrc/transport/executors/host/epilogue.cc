@@ -134,17 +134,18 @@ PCIE_AR_EPILOGUE_INLINE void epilogue_rows(const typename Codec::Bits* sum,
       const int n = static_cast<int>(std::min<int64_t>(kTile, hidden - i));
       for (int k = 0; k < n; ++k) a[k] = Codec::to_float(residual_out[base + i + k]);
       for (int k = 0; k < n; ++k) b[k] = Codec::to_float(weight[i + k]) + offset;
+      const auto y_at = [&](int k) { return narrow<Codec>((a[k] * rstd) * b[k]); };
       // The quantisations take the rounded y, widened (exact), from `a`.
       if (!fp8 && !nvfp4) {
-        for (int k = 0; k < n; ++k) y[base + i + k] = narrow<Codec>((a[k] * rstd) * b[k]);
+        for (int k = 0; k < n; ++k) y[base + i + k] = y_at(k);
       } else if (y != nullptr) {
         for (int k = 0; k < n; ++k) {
-          const Bits q = narrow<Codec>((a[k] * rstd) * b[k]);
+          const Bits q = y_at(k);
           y[base + i + k] = q;
           a[k] = Codec::to_float(q);
         }
       } else {  // y_q only: y is never stored as the dtype's bits
-        for (int k = 0; k < n; ++k) a[k] = Codec::to_float(narrow<Codec>((a[k] * rstd) * b[k]));
+        for (int k = 0; k < n; ++k) a[k] = Codec::to_float(y_at(k));
       }
       if (fp8) quant_simd::fp8_quantise<L>(a, n, inv_scale, y_q + base + i);
       if (nvfp4) {

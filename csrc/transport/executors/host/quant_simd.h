@@ -181,9 +181,9 @@ PCIE_AR_QUANT_INLINE void amax_tree_level(typename Lanes<L>::I32* m) {
 // max of the magnitudes with NaNs ignored (a NaN lane counts -1, below every magnitude; signed
 // compares of magnitudes order them as their values), NaN only when all 16 are NaN. `count`
 // blocks are written (a multiple of L); those from `blocks` on are padding columns (NaN, their
-// elements never read). L blocks at a time: each
-// block's lane-wise max as one vector, then a transposing tree of two-vector shuffles halves the
-// lanes per block at each level, L - 1 maxima for L blocks (a per-block reduction is log2(L)).
+// elements never read). L blocks at a time: each block's lane-wise max as one vector, then a
+// transposing tree of two-vector shuffles halves the lanes per block at each level, L - 1 maxima
+// for L blocks (a per-block reduction is log2(L)).
 template <int L>
 PCIE_AR_QUANT_INLINE void block_amax(const float* v, int blocks, int count, int32_t* amax_bits) {
   using I32 = typename Lanes<L>::I32;
