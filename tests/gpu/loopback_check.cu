@@ -46,6 +46,7 @@
 #include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
+#include "plan/quant.h"
 #include "plan/schedule.h"
 #include "plan/tactic.h"
 #include "support/cuda_loopback.h"
@@ -751,26 +752,103 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
 
 // ------------------------------------------------------------------ the fused epilogue
 
-// Every tactic with plan::with_epilogue, bf16 and fp32, 3 rows of hidden 4096 on 4 CTAs of 256
-// threads, out of place: y and residual_out must equal, bit for bit, the plain all-reduce of the
-// same inputs followed by the host executor's epilogue (what the CPU device checks in CI, here on
-// the GPU's own memory model). Then, at decode size (1 row), the fused call's time beside the
-// plain all-reduce's, the best tactic of each.
+// The epilogue's forms (plan/epilogue.h): what vLLM's fusion pass matches after the all-reduce.
+struct FusedForm {
+  const char* name;
+  bool residual;        // residual add; without one residual_out is the call's output itself
+  bool y;               // y stored (with a residual: into the call's output; else its own tensor)
+  float weight_offset;  // Gemma: 1
+  plan::Quant quant;
+  float scale;  // FP8's static scale, NVFP4's global scale G (y is about -3..3 here)
+};
+constexpr FusedForm kFusedForms[] = {
+    {"add+norm", true, true, 0.0f, plan::Quant::kNone, 0.0f},
+    {"norm", false, true, 0.0f, plan::Quant::kNone, 0.0f},
+    {"add+norm gemma", true, true, 1.0f, plan::Quant::kNone, 0.0f},
+    {"add+norm fp8", true, true, 0.0f, plan::Quant::kFp8E4m3, 0.01f},
+    {"add+norm fp8 y_q only", true, false, 0.0f, plan::Quant::kFp8E4m3, 0.37f},
+    {"norm gemma fp8 y_q only", false, false, 1.0f, plan::Quant::kFp8E4m3, 0.01f},
+    {"add+norm nvfp4 y_q only", true, false, 0.0f, plan::Quant::kNvfp4, 1000.0f},
+    {"norm gemma nvfp4 y_q only", false, false, 1.0f, plan::Quant::kNvfp4, 1000.0f},
+};
+
+// One rank's tensors of a fused call, on the GPU or (the reference) on the host.
+struct FusedTensors {
+  void* out;  // the all-reduce's output: the sum, y in place with a residual
+  const void* residual;
+  void* residual_out;
+  const void* weight;
+  void* y_own;  // y's own tensor (no residual)
+  void* y_q;
+  const float* scale;
+  uint8_t* block_scale;
+};
+
+plan::EpilogueArgs fused_args(const FusedForm& f, const FusedTensors& t, int64_t hidden,
+                              int64_t rows) {
+  plan::EpilogueArgs a{};
+  a.residual = f.residual ? t.residual : nullptr;
+  a.residual_out = f.residual ? t.residual_out : t.out;
+  a.weight = t.weight;
+  a.y = f.y ? (f.residual ? t.out : t.y_own) : nullptr;
+  a.quant = f.quant;
+  if (f.quant != plan::Quant::kNone) {
+    a.y_q = t.y_q;
+    a.scale = t.scale;
+  }
+  if (f.quant == plan::Quant::kNvfp4) {
+    a.block_scale = t.block_scale;
+    a.first_row = 0;
+    a.total_rows = rows;
+  }
+  a.hidden = hidden;
+  a.eps = 1e-6f;
+  a.weight_offset = f.weight_offset;
+  return a;
+}
+
+// Every tactic with plan::with_epilogue, bf16 and fp32, every form of kFusedForms, 3 rows of
+// hidden 4096 on 4 CTAs of 256 threads, out of place: every tensor the form writes (the output,
+// residual_out, y, y_q, NVFP4's block scales with their padding rows) must equal, bit for bit, the
+// plain all-reduce of the same inputs followed by the host executor's epilogue (what the CPU
+// device checks in CI, here on the GPU's own memory model). Then, at decode size (1 row), the
+// fused call's time beside the plain all-reduce's, the best tactic of each, for the plain, FP8
+// and NVFP4 forms.
 void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
                  std::vector<std::string>& latency_table) {
   const int world = buf.world;
   const int64_t hidden = 4096;
   const int64_t rows = 3;
   const int64_t numel = rows * hidden;
+  const int64_t scale_bytes = plan::nvfp4_padded_rows(rows) * 4 * plan::nvfp4_k_tiles(hidden);
   Tally& t = tally("world " + std::to_string(world) + " | fused epilogue");
-  std::vector<uint8_t*> res(world), res_out(world), weight(world);
+  std::vector<FusedTensors> dev(world);
   for (int r = 0; r < world; ++r) {
-    CHECK_CUDA(cudaMalloc(&res[r], numel * 4));
-    CHECK_CUDA(cudaMalloc(&res_out[r], numel * 4));
-    CHECK_CUDA(cudaMalloc(&weight[r], hidden * 4));
+    FusedTensors& d = dev[r];
+    d.out = buf.out[r];
+    void* p = nullptr;
+    CHECK_CUDA(cudaMalloc(&p, numel * 4));
+    d.residual = p;
+    CHECK_CUDA(cudaMalloc(&d.residual_out, numel * 4));
+    CHECK_CUDA(cudaMalloc(&p, hidden * 4));
+    d.weight = p;
+    CHECK_CUDA(cudaMalloc(&d.y_own, numel * 4));
+    CHECK_CUDA(cudaMalloc(&d.y_q, numel));
+    CHECK_CUDA(cudaMalloc(&p, sizeof(float)));
+    d.scale = static_cast<const float*>(p);
+    CHECK_CUDA(cudaMalloc(&d.block_scale, scale_bytes));
   }
-  double best_plain = 1e30, best_fused = 1e30;
-  std::string plain_label, fused_label;
+  // The bytes of one device tensor, and a device fill so nothing is left from the last form.
+  const auto fetch = [](const void* p, int64_t n) {
+    std::vector<uint8_t> v(n);
+    CHECK_CUDA(cudaMemcpy(v.data(), p, n, cudaMemcpyDeviceToHost));
+    return v;
+  };
+  const auto poison = [](void* p, int64_t n) { CHECK_CUDA(cudaMemset(p, 0xA5, n)); };
+  constexpr int kTimedForms = 3;  // add+norm, add+norm fp8, add+norm nvfp4 y_q only
+  const int timed_forms[kTimedForms] = {0, 3, 6};
+  double best_plain = 1e30, best_fused[kTimedForms] = {1e30, 1e30, 1e30};
+  std::string plain_label, fused_label[kTimedForms];
   for (const Case& c : cases) {
     if (c.interleaved) continue;
     const int plain = lb.add_schedule(c.schedule);
@@ -782,74 +860,101 @@ void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
       const Data data(world, dtype, bytes, 77 + world);
       const Data side(2, dtype, bytes, 91);  // [0]: the residual, [1]: row 0 is the weight
       const plan::Tactic tactic = tactic_of(c, 4, 256);
-      std::vector<plan::EpilogueArgs> args(world);
       for (int r = 0; r < world; ++r) {
         CHECK_CUDA(cudaMemcpy(buf.in[r], data.inputs[r].data(), bytes, cudaMemcpyHostToDevice));
-        CHECK_CUDA(cudaMemcpy(res[r], side.inputs[0].data(), bytes, cudaMemcpyHostToDevice));
-        CHECK_CUDA(
-            cudaMemcpy(weight[r], side.inputs[1].data(), hidden * eb, cudaMemcpyHostToDevice));
-        args[r] = plan::EpilogueArgs{.residual = res[r],
-                                     .residual_out = res_out[r],
-                                     .weight = weight[r],
-                                     .y = buf.out[r],
-                                     .hidden = hidden,
-                                     .eps = 1e-6f};
+        CHECK_CUDA(cudaMemcpy(const_cast<void*>(dev[r].residual), side.inputs[0].data(), bytes,
+                              cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(const_cast<void*>(dev[r].weight), side.inputs[1].data(), hidden * eb,
+                              cudaMemcpyHostToDevice));
       }
-      const std::string what = "world " + std::to_string(world) + " fused " +
-                               plan::tactic_label(tactic) + " " +
-                               std::string(plan::dtype_name(dtype));
       lb.launch(plain, dtype, tactic, buf.inputs(), buf.outputs(), numel,
                 plan::call_signature(dtype, tactic), buf.stream);
       CHECK_CUDA(cudaStreamSynchronize(buf.stream));
-      std::vector<std::vector<uint8_t>> want_y(world, std::vector<uint8_t>(bytes)),
-          want_r(world, std::vector<uint8_t>(bytes));
-      for (int r = 0; r < world; ++r) {
-        CHECK_CUDA(cudaMemcpy(want_y[r].data(), buf.out[r], bytes, cudaMemcpyDeviceToHost));
-        const plan::EpilogueArgs host{.residual = side.inputs[0].data(),
-                                      .residual_out = want_r[r].data(),
-                                      .weight = side.inputs[1].data(),
-                                      .y = want_y[r].data(),
-                                      .hidden = hidden,
-                                      .eps = 1e-6f};
-        pcie_ar::transport::run_epilogue(dtype, want_y[r].data(), numel, host);
-      }
-      lb.launch(fused, dtype, tactic, buf.inputs(), buf.outputs(), numel,
-                plan::call_signature(dtype, tactic), buf.stream, 0, -1, &args);
-      CHECK_CUDA(cudaStreamSynchronize(buf.stream));
-      bool ok = true;
-      for (int r = 0; r < world && ok; ++r) {
-        std::vector<uint8_t> got_y(bytes), got_r(bytes);
-        CHECK_CUDA(cudaMemcpy(got_y.data(), buf.out[r], bytes, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(got_r.data(), res_out[r], bytes, cudaMemcpyDeviceToHost));
-        if (got_y != want_y[r] || got_r != want_r[r]) {
-          report(what + ": rank " + std::to_string(r) +
-                 (got_y != want_y[r] ? " y" : " residual_out") +
-                 " differs from the plain all-reduce + the host epilogue");
-          ok = false;
+      std::vector<std::vector<uint8_t>> sum(world);
+      for (int r = 0; r < world; ++r) sum[r] = fetch(buf.out[r], bytes);
+      for (const FusedForm& form : kFusedForms) {
+        const bool quantised = form.quant != plan::Quant::kNone;
+        const bool nvfp4 = form.quant == plan::Quant::kNvfp4;
+        const int64_t y_q_bytes = nvfp4 ? numel / 2 : numel;
+        std::vector<plan::EpilogueArgs> args(world);
+        for (int r = 0; r < world; ++r) {
+          CHECK_CUDA(cudaMemcpy(const_cast<float*>(dev[r].scale), &form.scale, sizeof(float),
+                                cudaMemcpyHostToDevice));
+          poison(dev[r].residual_out, bytes);
+          poison(dev[r].y_own, bytes);
+          poison(dev[r].y_q, numel);
+          poison(dev[r].block_scale, scale_bytes);
+          args[r] = fused_args(form, dev[r], hidden, rows);
         }
+        const std::string what = "world " + std::to_string(world) + " fused " + form.name + " " +
+                                 plan::tactic_label(tactic) + " " +
+                                 std::string(plan::dtype_name(dtype));
+        lb.launch(fused, dtype, tactic, buf.inputs(), buf.outputs(), numel,
+                  plan::call_signature(dtype, tactic), buf.stream, 0, -1, &args);
+        CHECK_CUDA(cudaStreamSynchronize(buf.stream));
+        bool ok = true;
+        for (int r = 0; r < world && ok; ++r) {
+          // The reference: this rank's plain all-reduce, then the host executor's epilogue.
+          std::vector<uint8_t> out = sum[r], res_out(bytes, 0xA5), y_own(bytes, 0xA5),
+                               y_q(numel, 0xA5), block_scale(scale_bytes, 0xA5);
+          const FusedTensors host{out.data(),     side.inputs[0].data(),
+                                  res_out.data(), side.inputs[1].data(),
+                                  y_own.data(),   y_q.data(),
+                                  &form.scale,    block_scale.data()};
+          pcie_ar::transport::run_epilogue(dtype, out.data(), numel,
+                                           fused_args(form, host, hidden, rows));
+          const auto differs = [&](const char* name, const void* got,
+                                   const std::vector<uint8_t>& want, int64_t n) {
+            if (fetch(got, n) == std::vector<uint8_t>(want.begin(), want.begin() + n)) return false;
+            report(what + ": rank " + std::to_string(r) + " " + name +
+                   " differs from the plain all-reduce + the host epilogue");
+            return true;
+          };
+          ok = !differs("output", buf.out[r], out, bytes) &&
+               !(form.residual && differs("residual_out", dev[r].residual_out, res_out, bytes)) &&
+               !(!form.residual && form.y && differs("y", dev[r].y_own, y_own, bytes)) &&
+               !(quantised && differs("y_q", dev[r].y_q, y_q, y_q_bytes)) &&
+               !(nvfp4 && differs("block scales", dev[r].block_scale, block_scale, scale_bytes));
+        }
+        ok ? t.pass++ : t.fail++;
       }
-      ok ? t.pass++ : t.fail++;
       if (dtype != DType::kBF16) continue;
-      // Decode size: one row of hidden 4096 bf16 (8 KiB), plain vs fused, graph-timed.
+      // Decode size: one row of hidden 4096 bf16 (8 KiB), plain vs each timed form, graph-timed.
       const plan::Tactic timed = tactic_of(c, 4, 512);
       const double tp = time_per_call_us(lb, plain, timed, hidden, buf);
-      const double tf = time_per_call_us(lb, fused, timed, hidden, buf, &args);
       if (tp < best_plain) best_plain = tp, plain_label = plan::tactic_label(timed);
-      if (tf < best_fused) best_fused = tf, fused_label = plan::tactic_label(timed);
+      for (int k = 0; k < kTimedForms; ++k) {
+        const FusedForm& form = kFusedForms[timed_forms[k]];
+        std::vector<plan::EpilogueArgs> args(world);
+        for (int r = 0; r < world; ++r) {
+          CHECK_CUDA(cudaMemcpy(const_cast<float*>(dev[r].scale), &form.scale, sizeof(float),
+                                cudaMemcpyHostToDevice));
+          args[r] = fused_args(form, dev[r], hidden, 1);
+        }
+        const double tf = time_per_call_us(lb, fused, timed, hidden, buf, &args);
+        if (tf < best_fused[k]) best_fused[k] = tf, fused_label[k] = plan::tactic_label(timed);
+      }
     }
   }
   for (int r = 0; r < world; ++r) {
-    cudaFree(res[r]);
-    cudaFree(res_out[r]);
-    cudaFree(weight[r]);
+    const FusedTensors& d = dev[r];
+    for (const void* p :
+         {d.residual, static_cast<const void*>(d.residual_out), d.weight,
+          static_cast<const void*>(d.y_own), static_cast<const void*>(d.y_q),
+          static_cast<const void*>(d.scale), static_cast<const void*>(d.block_scale)}) {
+      cudaFree(const_cast<void*>(p));
+    }
   }
   char line[256];
-  std::snprintf(line, sizeof(line),
-                "\nworld %d, 1 row of 4096 bf16: plain all-reduce %.2f us (%s), fused "
-                "all-reduce + add + RMSNorm %.2f us (%s): fused/plain %.2fx",
-                world, best_plain, plain_label.c_str(), best_fused, fused_label.c_str(),
-                best_fused / best_plain);
+  std::snprintf(line, sizeof(line), "\nworld %d, 1 row of 4096 bf16: plain all-reduce %.2f us (%s)",
+                world, best_plain, plain_label.c_str());
   latency_table.push_back(line);
+  for (int k = 0; k < kTimedForms; ++k) {
+    std::snprintf(line, sizeof(line), "  fused %-24s %.2f us (%s): fused/plain %.2fx",
+                  kFusedForms[timed_forms[k]].name, best_fused[k], fused_label[k].c_str(),
+                  best_fused[k] / best_plain);
+    latency_table.push_back(line);
+  }
 }
 
 // Reduce-scatter and all-gather: every buildable tactic of each, flat and (world >= 4)
