@@ -183,7 +183,7 @@ class Model {
     rx_[to] += bytes;
     peers_out_[from][stage].insert(to);
     peers_in_[to][stage].insert(from);
-    if (crosses(from, to)) cross_[{s_.island_of[from], s_.island_of[to]}] += bytes;
+    if (crosses(from, to)) cross_[{from, s_.island_of[from], s_.island_of[to]}] += bytes;
   }
 
   // Bytes a rank moves over the links for one operand load or one store. On host memory an LL
@@ -193,7 +193,7 @@ class Model {
     if (host_) {
       rx_[r] += bytes;  // host DRAM to this GPU
       if (b.space == Space::kLL) tx_[r] += bytes;
-      if (crosses(r, b.owner)) cross_[{s_.island_of[b.owner], s_.island_of[r]}] += bytes;
+      if (crosses(r, b.owner)) cross_[{r, s_.island_of[b.owner], s_.island_of[r]}] += bytes;
     } else if (b.owner != r) {
       count_bytes(stage, b.owner, r, bytes);
     }
@@ -203,7 +203,7 @@ class Model {
     if (!is_slot(b)) return;
     if (host_) {
       tx_[r] += bytes;
-      if (crosses(r, b.owner)) cross_[{s_.island_of[r], s_.island_of[b.owner]}] += bytes;
+      if (crosses(r, b.owner)) cross_[{r, s_.island_of[r], s_.island_of[b.owner]}] += bytes;
     } else if (b.owner != r) {
       count_bytes(stage, r, b.owner, bytes);
     }
@@ -367,9 +367,13 @@ class Model {
       consider(tx_[r], rate(peers_out_[r]), rank_text(r) + " out");
       consider(rx_[r], rate(peers_in_[r]), rank_text(r) + " in");
     }
-    for (const auto& [islands, bytes] : cross_) {
-      consider(bytes, l_.socket_link_gbps,
-               "socket " + std::to_string(islands.first) + "->" + std::to_string(islands.second));
+    // socket_link_gbps is one rank's flow across the sockets (FlashInfer #4870 measured it per
+    // flow), so each rank's crossing bytes are priced apart.
+    for (const auto& [flow, bytes] : cross_) {
+      const auto [rank, from, to] = flow;
+      consider(
+          bytes, l_.socket_link_gbps,
+          rank_text(rank) + " across socket " + std::to_string(from) + "->" + std::to_string(to));
     }
   }
 
@@ -385,7 +389,9 @@ class Model {
   // stream): a link fans out when one stage has several.
   std::vector<std::map<int, std::set<int>>> peers_out_, peers_in_;
   std::vector<bool> wrote_out_;  // fabric writes since this rank's last fence
-  std::map<std::pair<int, int>, double> cross_;
+  // Bytes across the socket link per (the rank whose flow it is, from island, to island): the
+  // sender of a P2P store, the reader of a P2P load, the GPU on either side of host memory.
+  std::map<std::tuple<int, int, int>, double> cross_;
   std::map<Key, Timed> regions_;  // when each written buffer is readable where it lives
   std::map<std::pair<int, int>, Timed> flags_;
 };

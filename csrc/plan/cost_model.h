@@ -36,7 +36,7 @@ struct LatencyModel {
   double launch_us = 0.6;               // a kernel node of a CUDA graph (published: about 0.6)
   double local_load_us = 0.3;           // a load or poll of this GPU's own L2 (guess)
   double posted_write_us = 0.45;        // store issued to visible in a peer (published 0.36-0.45)
-  double posted_write_cross_us = 0.45;  // the same across the socket link (published 0.44)
+  double posted_write_cross_us = 0.44;  // the same across the socket link (published 0.44)
   double peer_read_us = 2.2;            // a load of a peer's memory (published 2.1-2.3 at 4 GPUs)
   double peer_read_cross_us = 2.2;      // the same across sockets (not published apart: guess)
   double host_read_us = 1.5;            // a load or poll of pinned host DRAM (guess)
@@ -45,7 +45,7 @@ struct LatencyModel {
   double fence_after_local_writes_us = 0.8;  // the same with only local writes pending (guess)
   double gpu_link_gbps = 44.8;               // one GPU's stores to one peer (published 44.8)
   double gpu_link_fanout_gbps = 25.4;        // to several peers in one stage (published 25.4)
-  double socket_link_gbps = 23.75;           // all flows across the socket link (published 23.75)
+  double socket_link_gbps = 23.75;  // one rank's flow across the socket link (published 23.75)
 };
 
 // What the executor's code does that the model cannot read from the step lists.
@@ -77,7 +77,7 @@ struct CostReport {
   double bandwidth_us = 0.0;  // busiest_link_bytes over that link's bandwidth
   int serial_round_trips = 0;
   double busiest_link_bytes = 0.0;  // LL counts its tags: twice the payload
-  std::string busiest_link;         // "rank 3 out", "rank 0 in", "socket 0->1"
+  std::string busiest_link;         // "rank 3 out", "rank 0 in", "rank 5 across socket 1->0"
   // The critical path, one entry per link of the chain: "rank 1 step 2: look at LL from rank 0
   // (local load 0.30)".
   std::vector<std::string> critical_path;

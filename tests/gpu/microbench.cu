@@ -86,14 +86,15 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
 }
 
 // Thread 0 of every CTA: a 16-byte data write to `target` (its own line), then a system fence,
-// kIters times. ns_per_iter[cta] gets the mean.
+// kIters times. ns_per_iter[cta] gets the mean. The fence is the executor's (fence_system in
+// primitives_gpu.cuh: __threadfence_system, fence.sc.sys), the one the cost model prices.
 __global__ void fence_kernel(uint32_t* target, bool fence, uint64_t* ns_per_iter) {
   if (threadIdx.x != 0) return;
   uint32_t* mine = target + blockIdx.x * 32;  // 128 bytes apart
   const uint64_t start = now_ns();
   for (int i = 0; i < kIters; ++i) {
     for (int w = 0; w < 4; ++w) store_u32(mine + w, static_cast<uint32_t>(i));
-    if (fence) asm volatile("fence.acq_rel.sys;" ::: "memory");
+    if (fence) __threadfence_system();
   }
   ns_per_iter[blockIdx.x] = (now_ns() - start) / kIters;
 }

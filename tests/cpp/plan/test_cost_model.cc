@@ -189,12 +189,21 @@ TEST(CostModel, BusiestLinkCountsLLTagsAndFanOut) {
   // World 2 sends to one peer: the single-stream rate.
   const CostReport pair = model_cost(oneshot_ll(2), n, Placement::kDeviceMemory, l);
   EXPECT_DOUBLE_EQ(pair.bandwidth_us, 2.0 * n / (l.gpu_link_gbps * 1e3));
-  // 4 + 4, flat one-shot: each of the four ranks of a socket sends 2n to each of four across.
-  const CostReport flat =
-      model_cost(oneshot_ll(8, {0, 0, 0, 0, 1, 1, 1, 1}), n, Placement::kDeviceMemory, l);
-  EXPECT_EQ(flat.busiest_link.rfind("socket", 0), 0u) << flat.busiest_link;
-  EXPECT_DOUBLE_EQ(flat.busiest_link_bytes, 4.0 * 4 * 2 * n);
+  // 4 + 4, flat one-shot: each rank sends 2n to each of four peers across the sockets, 8n of
+  // its own flow (socket_link_gbps is a per-rank flow rate, FlashInfer #4870), against 14n out
+  // of its own link to all seven: the rank's link is the busiest, not a sum of every flow across.
+  const Schedule flat_ll = oneshot_ll(8, {0, 0, 0, 0, 1, 1, 1, 1});
+  const CostReport flat = model_cost(flat_ll, n, Placement::kDeviceMemory, l);
+  EXPECT_EQ(flat.busiest_link, "rank 0 out") << flat.busiest_link;
+  EXPECT_DOUBLE_EQ(flat.busiest_link_bytes, 7.0 * 2 * n);
   EXPECT_DOUBLE_EQ(flat.modelled_us, flat.latency_us + flat.bandwidth_us);
+  // With the GPUs' own links unbounded, one rank's flow across the sockets is what bounds.
+  LatencyModel fast_links = l;
+  fast_links.gpu_link_gbps = fast_links.gpu_link_fanout_gbps = 1e12;
+  const CostReport across = model_cost(flat_ll, n, Placement::kDeviceMemory, fast_links);
+  EXPECT_EQ(across.busiest_link, "rank 0 across socket 0->1") << across.busiest_link;
+  EXPECT_DOUBLE_EQ(across.busiest_link_bytes, 4.0 * 2 * n);
+  EXPECT_DOUBLE_EQ(across.bandwidth_us, 4.0 * 2 * n / (l.socket_link_gbps * 1e3));
 }
 
 // Lamport moves the payload once: its busiest link carries the flag protocol's bytes, half of
