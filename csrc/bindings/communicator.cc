@@ -19,6 +19,7 @@
 #include "comm/registry.h"
 #include "plan/layout.h"
 #include "transport/host_reduce_isa.h"
+#include "transport/host_shm.h"
 #include "transport/kind.h"
 
 namespace pcie_ar::bindings {
@@ -292,6 +293,48 @@ void bind_communicator(py::module_& m) {
       .def("table_hash", &Communicator::table_hash)
       .def("table_source", &Communicator::table_source)
       .def("prepare", &Communicator::prepare)
+      .def(
+          "self_test",
+          [](Communicator& c, bool again) {
+            py::list out;
+            for (const comm::SelfTestResult& r : c.self_test(again)) {
+              py::dict d;
+              d["op"] = std::string(comm::op_name(r.use.op));
+              d["dtype"] = std::string(plan::dtype_name(r.use.dtype));
+              d["tactic"] = plan::tactic_label(r.use.tactic);
+              d["bytes"] = r.use.bytes.empty() ? py::object(py::none())
+                                               : py::object(py::int_(r.use.bytes.front()));
+              d["ran"] = r.ran;
+              d["ok"] = r.ok;
+              d["detail"] = r.detail;
+              out.append(d);
+            }
+            return out;
+          },
+          py::arg("again") = false,
+          "This rank's half of the self-test (comm/self_test.h), collective: one dict per "
+          "(op, dtype, tactic) run: op, dtype, tactic, bytes, ran, ok, detail.")
+      .def(
+          "withdraw",
+          [](Communicator& c, const std::string& op, const std::string& dtype,
+             const std::string& tactic) {
+            c.withdraw(op_from_name(op), parse_or_throw(plan::kDTypeNames, dtype), tactic);
+          },
+          py::arg("op"), py::arg("dtype"), py::arg("tactic"),
+          "Sends op's dtype calls that `tactic` would run to the fallback (self_test).")
+      .def(
+          "set_host_mutant_for_testing",
+          [](Communicator& c, const std::string& mutant) {
+            auto* host = dynamic_cast<transport::HostShmWorkspace*>(c.workspace_for_testing());
+            if (host == nullptr) {
+              throw std::invalid_argument("the host executor's mutants need the host transport");
+            }
+            host->set_mutant_for_testing(
+                parse_or_throw(transport::HostExecutor::kMutantNames, mutant));
+          },
+          py::arg("mutant"),
+          "FOR TESTS ONLY: this rank's host executor runs every program mutated (none, "
+          "drop_operand, reverse_operands).")
       .def("set_table", &Communicator::set_table, py::arg("text"), py::arg("source"))
       .def("layout_hash", &Communicator::layout_hash)
       .def("workspace_bytes", &Communicator::workspace_bytes)

@@ -165,7 +165,7 @@ Decline Communicator::supports(const at::Tensor& t) const {
 Decline Communicator::decline_reason(Op op, const at::Tensor& inp, const at::Tensor* weight) {
   const Admission a = admit(op, inp, weight, gate());
   if (a.decline != Decline::kNone) return a.decline;
-  return plan_call(op, a, inp).fallback ? Decline::kTable : Decline::kNone;
+  return plan_call(op, a, inp).reason;
 }
 
 std::string Communicator::chosen_tactic(Op op, const at::Tensor& inp, const at::Tensor* weight) {
@@ -238,7 +238,7 @@ Decline Communicator::execute(Op op, const OpArgs& args, OnDecline on_decline) {
   CallPlan plan;
   if (decline == Decline::kNone) {
     plan = plan_call(op, admission, args.inp);
-    if (plan.fallback) decline = Decline::kTable;
+    decline = plan.reason;
   }
   if (decline != Decline::kNone && on_decline == OnDecline::kReturn) return decline;
   const Staged staged(op, args);

@@ -19,7 +19,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "comm/admission.h"
@@ -30,6 +32,7 @@
 #include "comm/fallback.h"
 #include "comm/op.h"
 #include "comm/options.h"
+#include "comm/self_test.h"
 #include "comm/stats.h"
 #include "plan/protocol.h"
 #include "plan/rounds.h"
@@ -118,6 +121,16 @@ class Communicator {
   // where a choice can change), so no call inside a capture installs one. Returns the programs
   // installed. Like a call, it must not run concurrently with one.
   int prepare();
+  // The self-test before serving (comm/self_test.h): prepare(), then every (op, dtype, tactic)
+  // the table chose that this communicator has not tested yet (`again`: every one) runs once on
+  // known data through run() and each output is compared, bit for bit, with the reference.
+  // Collective: every rank runs the same cases in the same order (the table and the topology are
+  // agreed). Counts nothing (stats() is as before). A timeout or a disagreeing peer raises as a
+  // call does. Returns one result per case; nothing is withdrawn here.
+  std::vector<SelfTestResult> self_test(bool again = false);
+  // From now on `op`'s `dtype` calls that `tactic` (its label) would run go to the fallback,
+  // counted as Decline::kSelfTest (Decisions::withdraw). Every rank must withdraw the same tactics.
+  void withdraw(Op op, plan::DType dtype, const std::string& tactic);
   // Replaces the tuning table (the tuner, and a cache adopted after construction). Collective
   // in effect: every rank must install the same table between the same two calls, or their
   // paths part (the caller compares hashes). Throws TableError, keeping the old table, when the
@@ -133,6 +146,8 @@ class Communicator {
   // to abandon the call (transport::Workspace::set_interrupt_check). An abandoned call throws
   // Interrupted and leaves the communicator failed, like a timeout.
   void set_interrupt_check(std::function<bool()> check);
+  // FOR TESTS ONLY (the self-test's mutants): the workspace, null before one exists.
+  transport::Workspace* workspace_for_testing() { return workspace_.get(); }
 
  private:
   struct Staged;
@@ -154,6 +169,7 @@ class Communicator {
     std::vector<const Decision*> decisions;  // its decision
     int64_t chunk = 0;  // a streamed collective's chunk length: its rounds are in each chunk's
     bool fallback = false;
+    Decline reason = Decline::kNone;  // the fallback's: kTable or kSelfTest
     const Decision& first() const { return whole != nullptr ? *whole : *decisions.front(); }
   };
   CallPlan plan_call(Op op, const Admission& admission, const at::Tensor& inp);
@@ -182,6 +198,7 @@ class Communicator {
   std::function<bool()> interrupt_check_;  // Ctrl-C: the workspace's waits and the fallback's
   std::atomic<bool> busy_{false};
   bool connected_ = false;
+  std::set<std::tuple<size_t, int, std::string>> self_tested_;  // (op index, dtype, tactic)
   int skip_program_ = -1;  // plan::skip_program in the workspace, once connected
   bool released_ = false;
   uint64_t fork_generation_;  // forks this process had survived as a child when it was made

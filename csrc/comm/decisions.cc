@@ -1,6 +1,7 @@
 #include "comm/decisions.h"
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <utility>
 
@@ -21,6 +22,12 @@ plan::TuningTable parse_table(const Options& options) {
 uint64_t decision_key(Op op, plan::DType dtype, int64_t bytes) {
   return (static_cast<uint64_t>(op_index(op)) << 60) | (static_cast<uint64_t>(dtype) << 56) |
          static_cast<uint64_t>(bytes);
+}
+constexpr uint64_t kBytesMask = (uint64_t{1} << 56) - 1;
+
+std::tuple<size_t, int, std::string> withdrawn_key(Op op, plan::DType dtype,
+                                                   const plan::Tactic& tactic) {
+  return {op_index(op), static_cast<int>(dtype), plan::tactic_label(tactic)};
 }
 
 }  // namespace
@@ -83,6 +90,10 @@ const Decision& Decisions::decide(Op op, plan::DType dtype, int64_t bytes) {
   Decision d;
   d.fallback = choice.fallback;
   d.tactic = choice.tactic;
+  if (!d.fallback && withdrawn_.count(withdrawn_key(op, dtype, d.tactic)) != 0) {
+    d.fallback = true;
+    d.reason = Decline::kSelfTest;
+  }
   if (!d.fallback) {
     d.program = &program_for(op, d.tactic);
     d.signature = op_signature(op, dtype, d.tactic);
@@ -118,6 +129,31 @@ int Decisions::prepare(const std::vector<plan::DType>& dtypes) {
     }
   }
   return static_cast<int>(programs_.size());
+}
+
+std::vector<TacticUse> Decisions::uses() const {
+  std::map<std::tuple<size_t, int, std::string>, TacticUse> by_use;
+  for (const auto& [key, d] : decisions_) {
+    if (d.fallback) continue;
+    const Op op = kOpNames.entries[key >> 60].value;
+    const auto dtype = static_cast<plan::DType>((key >> 56) & 0xF);
+    TacticUse& use = by_use[withdrawn_key(op, dtype, d.tactic)];
+    use.op = op;
+    use.dtype = dtype;
+    use.tactic = d.tactic;
+    use.bytes.push_back(static_cast<int64_t>(key & kBytesMask));
+  }
+  std::vector<TacticUse> uses;
+  for (auto& [key, use] : by_use) {
+    std::sort(use.bytes.begin(), use.bytes.end());
+    uses.push_back(std::move(use));
+  }
+  return uses;
+}
+
+void Decisions::withdraw(Op op, plan::DType dtype, const std::string& tactic) {
+  withdrawn_.insert({op_index(op), static_cast<int>(dtype), tactic});
+  decisions_.clear();
 }
 
 void Decisions::set_table(plan::TuningTable table) {

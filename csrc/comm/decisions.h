@@ -8,11 +8,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include "comm/decline.h"
 #include "comm/op.h"
 #include "comm/options.h"
 #include "comm/stats.h"
@@ -34,6 +36,7 @@ struct InstalledProgram {
 
 struct Decision {
   bool fallback = true;
+  Decline reason = Decline::kTable;  // a fallback's: the table's, or the self-test's
   plan::Tactic tactic;
   // A kernel decision's:
   const InstalledProgram* program = nullptr;
@@ -41,6 +44,15 @@ struct Decision {
   int64_t* calls = nullptr;  // the op's counter for this tactic
   // The fused call also counts as the all-reduce it holds: the all-reduce's counter.
   int64_t* contained_calls = nullptr;
+};
+
+// One (op, dtype, tactic) the table chose for admitted messages, with every message size (bytes,
+// ascending) it was decided for: what the self-test runs once (comm/self_test.h).
+struct TacticUse {
+  Op op;
+  plan::DType dtype = plan::DType::kBF16;
+  plan::Tactic tactic;
+  std::vector<int64_t> bytes;
 };
 
 class Decisions {
@@ -65,6 +77,14 @@ class Decisions {
 
   int installed() const { return static_cast<int>(programs_.size()); }
 
+  // Every (op, dtype, tactic) decided so far that runs on the kernels, in one order on every rank
+  // (op, dtype, tactic label).
+  std::vector<TacticUse> uses() const;
+  // From now on, whatever table decides, `op`'s `dtype` messages that the tactic labelled
+  // `tactic` (plan::tactic_label) would run go to the fallback (Decline::kSelfTest); forgets every
+  // decision so the next call asks again.
+  void withdraw(Op op, plan::DType dtype, const std::string& tactic);
+
   // Makes `table` decide from now on, forgetting every decision of every op.
   void set_table(plan::TuningTable table);
   const plan::TuningTable& table() const { return table_; }
@@ -79,6 +99,8 @@ class Decisions {
   plan::TuningTable table_;
   std::unordered_map<uint64_t, Decision> decisions_;
   std::map<std::tuple<int, int, int, int, size_t>, std::unique_ptr<InstalledProgram>> programs_;
+  // withdraw(): (op index, dtype, tactic label), kept across tables.
+  std::set<std::tuple<size_t, int, std::string>> withdrawn_;
 };
 
 }  // namespace pcie_ar::comm

@@ -37,6 +37,10 @@ enum class Decline : uint8_t {
   // executor runs every form since the CUDA executor runs NVFP4); kept: the enum is append-only
   // and the stats count by code.
   kQuant = 16,
+  // The tactic the table chose failed the self-test before serving on some rank (its result
+  // differed, bit for bit, from the host's reference of the same known data): every rank sends
+  // its calls to the fallback (comm/self_test.h).
+  kSelfTest = 17,
 };
 inline constexpr auto kDeclineNames = plan::name_table<Decline>(
     "decline reason", {{Decline::kNone, "none"},
@@ -55,7 +59,8 @@ inline constexpr auto kDeclineNames = plan::name_table<Decline>(
                        {Decline::kMultiHost, "multi_host"},
                        {Decline::kHidden, "hidden"},
                        {Decline::kAutograd, "autograd"},
-                       {Decline::kQuant, "quant"}});
+                       {Decline::kQuant, "quant"},
+                       {Decline::kSelfTest, "self_test"}});
 inline constexpr size_t kDeclineCount = kDeclineNames.entries.size();
 
 // "unknown" for a value outside the enum.

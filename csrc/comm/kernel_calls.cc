@@ -38,6 +38,7 @@ Communicator::CallPlan Communicator::plan_call(Op op, const Admission& a, const 
   if (a.message <= options_.max_numel) {
     plan.whole = &decisions_.decide(op, a.dtype, a.bytes());
     plan.fallback = plan.whole->fallback;
+    if (plan.fallback) plan.reason = plan.whole->reason;
     return plan;
   }
   const int64_t elem = plan::dtype_bytes(a.dtype);
@@ -54,8 +55,11 @@ Communicator::CallPlan Communicator::plan_call(Op op, const Admission& a, const 
     const Decision& d = decisions_.decide(op, a.dtype, round.numel * shares * elem);
     plan.decisions.push_back(&d);
     plan.fallback |= d.fallback;
+    // A round the self-test took from its tactic says so, ahead of one the table declines.
+    if (d.fallback && plan.reason != Decline::kSelfTest) plan.reason = d.reason;
   }
   plan.fallback |= plan.rounds.empty();
+  if (plan.fallback && plan.reason == Decline::kNone) plan.reason = Decline::kTable;
   return plan;
 }
 

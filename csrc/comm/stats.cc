@@ -4,7 +4,7 @@
 
 namespace pcie_ar::comm {
 
-static_assert(static_cast<size_t>(Decline::kQuant) + 1 == kDeclineCount,
+static_assert(static_cast<size_t>(Decline::kSelfTest) + 1 == kDeclineCount,
               "decline values are dense: they index the counters");
 
 Counters::Counters(int world) : bytes_sent_(std::max(world, 0), 0) {

@@ -74,6 +74,7 @@ class HostShmWorkspace final : public Workspace {
   using StepPoint = HostExecutor::StepPoint;
   using StepHook = HostExecutor::StepHook;
   void set_step_hook_for_testing(StepHook hook) { executor_.set_step_hook(std::move(hook)); }
+  void set_mutant_for_testing(HostExecutor::Mutant mutant) { executor_.set_mutant(mutant); }
 
  private:
   int install(const plan::Program& program) override { return executor_.install(program); }

@@ -89,6 +89,8 @@ class PcieAllReduce(Lifecycle):
             check fails on any pair), ``"cuda_ipc"`` (decline ``no_p2p`` instead) or
             ``"cuda_host"`` (always host memory), or an alias (``policy``). None:
             PCIE_ALLREDUCE_TRANSPORT. ``stats()["transport"]`` / ``["transport_detail"]``.
+        self_test: run :meth:`self_test` at construction and whenever :meth:`prepare` finds a
+            tactic not yet tested (a new table). None: PCIE_ALLREDUCE_SELF_TEST (on unless 0).
 
     What tools (the tuner) use besides the calls: :attr:`config` (what every rank agreed on),
     :attr:`table` (the table in use), :meth:`gather` (a bounded exchange over the group),
@@ -109,6 +111,7 @@ class PcieAllReduce(Lifecycle):
         s["workspace_bytes"] = self.workspace_bytes
         s["enabled"] = self.enabled
         s["disabled_reason"] = self.disabled_reason
+        s["self_test"] = self.self_test_report()
         if self.device.type == "cpu":
             s["host_reduce"] = _C.host_reduce_isa()
         return s

@@ -50,6 +50,9 @@ class Env:
     transport: str = policy.AUTO
     # PCIE_ALLREDUCE_PDL=0: no programmatic dependent launch (sm_90+ GPUs); on by default.
     pdl: bool = True
+    # PCIE_ALLREDUCE_SELF_TEST=0: no self-test before serving (Lifecycle.self_test); on by
+    # default.
+    self_test: bool = True
     # PCIE_ALLREDUCE_CACHE_DIR (expanded), and XDG_CACHE_HOME beneath which the cache is kept
     # without it; see tuning_cache_dir().
     cache_dir: Path | None = None
@@ -159,6 +162,10 @@ _FLAGS: dict[str, tuple[str, Callable[[Mapping[str, str]], Any]]] = {
         lambda e: policy.cuda_mode(e.get("PCIE_ALLREDUCE_TRANSPORT"), "PCIE_ALLREDUCE_TRANSPORT"),
     ),
     "pdl": ("PCIE_ALLREDUCE_PDL", lambda e: bool(_flag(e, "PCIE_ALLREDUCE_PDL", True))),
+    "self_test": (
+        "PCIE_ALLREDUCE_SELF_TEST",
+        lambda e: bool(_flag(e, "PCIE_ALLREDUCE_SELF_TEST", True)),
+    ),
     "cache_dir": ("PCIE_ALLREDUCE_CACHE_DIR", lambda e: _path(e, "PCIE_ALLREDUCE_CACHE_DIR")),
     "xdg_cache_home": ("XDG_CACHE_HOME", lambda e: _path(e, "XDG_CACHE_HOME")),
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from . import construction, policy
 from .construction import Config, Table
+from .env import read_env
 from .errors import PcieAllReduceTimeout, TableMismatch
 from .native import _C
 from .tuning.passes import autotune_pass
@@ -47,6 +49,7 @@ class Lifecycle:
         enabled: bool = True,
         transport: str | None = None,
         stream_max_numel: int | None = None,
+        self_test: bool | None = None,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -82,6 +85,10 @@ class Lifecycle:
         self._captures = 0
         if self.rank == 0:
             logger.info("pcie_allreduce: tuning table: %s", self._table.source)
+        self._self_test_on = read_env().self_test if self_test is None else bool(self_test)
+        self._self_test: dict[str, Any] = {"cases": 0, "failed": [], "seconds": 0.0}
+        if self._self_test_on:
+            self.self_test()
 
     # ------------------------------------------------------------------ state
     @property
@@ -152,10 +159,71 @@ class Lifecycle:
                 rows + 1,
                 max_rows,
             )
+        programs = int(self._comm.prepare())
+        if self._self_test_on:
+            self.self_test()  # what a new table chose and nothing has tested yet
+        return {"max_numel": self.max_numel, "programs": programs, "rows_covered": rows}
+
+    # ------------------------------------------------------------------ before serving
+    def self_test(self, *, again: bool = False) -> dict[str, Any]:
+        """Runs every (op, dtype, tactic) the table can choose for this group and nothing has
+        tested yet (``again``: every one) once on known data through the real transport, and
+        compares every output with the host's reference, bit for bit, on every rank
+        (collective). A tactic that gives wrong bits on any rank is withdrawn on every rank: its
+        calls go to the fallback, counted under the decline reason ``self_test``, so wrong
+        hardware behaviour costs speed, never a wrong answer; rank 0 logs it once. Returns what
+        this run did: ``{"cases", "failed": [{"op", "dtype", "tactic", "ranks", "detail"}],
+        "seconds"}``; ``stats()["self_test"]`` sums every run."""
+        started = time.perf_counter()
+        # Not inside a CUDA graph capture (its calls would be captured, not run): the cases wait
+        # for the next prepare() outside one (capture() prepares before it captures).
+        capturing = (
+            self.device.type == "cuda"
+            and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()
+        )
+        local = list(self._comm.self_test(again)) if self.enabled and not capturing else []
+        # Cases that ran: a form no decided size fits (NVFP4 in fp32) has nothing to test.
+        ran = [r for r in local if r["ran"]]
+        report: dict[str, Any] = {"cases": len(ran), "failed": [], "seconds": 0.0}
+        if local:  # every rank has the same cases (the table and the topology are agreed)
+            mine = [[r["op"], r["dtype"], r["tactic"], r["detail"]] for r in ran if not r["ok"]]
+            failed: dict[tuple[str, str, str], dict[str, Any]] = {}
+            for rank, items in enumerate(self.gather(mine, "self-test")):
+                for op, dtype, tactic, detail in items:
+                    entry = failed.setdefault(
+                        (op, dtype, tactic),
+                        {"op": op, "dtype": dtype, "tactic": tactic, "ranks": [], "detail": ""},
+                    )
+                    entry["ranks"].append(rank)
+                    entry["detail"] = entry["detail"] or f"rank {rank}: {detail}"
+            for op, dtype, tactic in sorted(failed):
+                self._comm.withdraw(op, dtype, tactic)
+            report["failed"] = [failed[key] for key in sorted(failed)]
+            if failed and self.rank == 0:
+                logger.warning(
+                    "pcie_allreduce: self-test: %d of %d tactics gave wrong bits and now go to "
+                    "the fallback (decline reason self_test): %s",
+                    len(failed),
+                    len(ran),
+                    "; ".join(
+                        f"{e['op']} {e['dtype']} {e['tactic']} on rank(s) "
+                        f"{','.join(map(str, e['ranks']))} ({e['detail']})"
+                        for e in report["failed"]
+                    ),
+                )
+        report["seconds"] = time.perf_counter() - started
+        self._self_test["cases"] += report["cases"]
+        self._self_test["failed"] += report["failed"]
+        self._self_test["seconds"] += report["seconds"]
+        return report
+
+    def self_test_report(self) -> dict[str, Any]:
+        """Every self-test run so far, summed (what ``stats()["self_test"]`` shows)."""
         return {
-            "max_numel": self.max_numel,
-            "programs": int(self._comm.prepare()),
-            "rows_covered": rows,
+            "cases": self._self_test["cases"],
+            "failed": list(self._self_test["failed"]),
+            "seconds": self._self_test["seconds"],
         }
 
     @contextlib.contextmanager

@@ -60,6 +60,7 @@ def test_values_parse():
         ),
         ("PCIE_ALLREDUCE_TRANSPORT", "host_shm", "one of auto, cuda_ipc, cuda_host"),
         ("PCIE_ALLREDUCE_PDL", "2", "PCIE_ALLREDUCE_PDL must be 1/0"),
+        ("PCIE_ALLREDUCE_SELF_TEST", "maybe", "PCIE_ALLREDUCE_SELF_TEST must be 1/0"),
     ],
 )
 def test_bad_values_say_what_was_expected(name, value, expect):
@@ -78,6 +79,11 @@ def test_pdl_is_on_unless_turned_off():
     assert read_env({"PCIE_ALLREDUCE_PDL": "1"}).pdl
     assert not read_env({"PCIE_ALLREDUCE_PDL": "0"}).pdl
     assert not read_env({"PCIE_ALLREDUCE_PDL": " off "}).pdl
+
+
+def test_the_self_test_is_on_unless_turned_off():
+    assert read_env({}).self_test and read_env({"PCIE_ALLREDUCE_SELF_TEST": "1"}).self_test
+    assert not read_env({"PCIE_ALLREDUCE_SELF_TEST": "0"}).self_test
 
 
 def test_the_cache_folder_is_the_flag_else_xdg_else_home(tmp_path):

@@ -841,6 +841,23 @@ def test_host_bench_result_must_show_the_kernels_ran():
     )
 
 
+def test_host_bench_result_shows_the_self_test():
+    def run(self_test):
+        stats = {"enabled": True, "self_test": self_test}
+        bench = json.dumps({"rows": [{"tactic": "oneshot/push"}], "stats": stats})
+        return host_transport.interpret_host_run(system.RunResult(0, ""), bench, 60)
+
+    passed = run({"cases": 50, "failed": [], "seconds": 0.1})
+    assert passed["status"] == "ok" and "self-test: 50 " in passed["detail"], passed
+    wrong = {"op": "all_reduce", "dtype": "bf16", "tactic": "oneshot/push/unstaged/flag"}
+    failed = run({"cases": 50, "failed": [dict(wrong, detail="rank 1: out element 3")]})
+    assert failed["status"] == "failed", failed
+    assert (
+        "withdrew 1 tactic" in failed["detail"] and "oneshot/push/unstaged/flag" in failed["detail"]
+    )
+    assert "rank 1: out element 3" in failed["detail"]
+
+
 # ---------------------------------------------------------------------------- this machine
 
 

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -485,6 +486,23 @@ class BlockPass {
   int64_t stride_vecs_ = 0;  // Call::chunk_stride in vectors; 0: the message's own chunks
 };
 
+// HostExecutor::Mutant's program: the sums' operands dropped or reversed.
+plan::Program mutated(plan::Program program, HostExecutor::Mutant mutant) {
+  for (int i = 0; i < program.num_steps; ++i) {
+    plan::Step& s = program.steps[i];
+    if (s.kind != StepKind::kReduce || s.num_srcs < 2) continue;
+    if (mutant == HostExecutor::Mutant::kDropOperand) {
+      --s.num_srcs;
+      if (s.split >= s.num_srcs) s.split = 0;
+    } else {
+      const int split = s.split;
+      std::reverse(s.srcs, s.srcs + (split > 0 ? split : s.num_srcs));
+      if (split > 0) std::reverse(s.srcs + split, s.srcs + s.num_srcs);
+    }
+  }
+  return program;
+}
+
 }  // namespace
 
 HostExecutor::HostExecutor(double timeout_s) : timeout_s_(timeout_s) {
@@ -505,13 +523,17 @@ void HostExecutor::run(const std::vector<uint8_t*>& bases, const plan::Layout& l
   const ReduceFn reduce = reducer_for(call.dtype);
   const WaitBudget budget(timeout_s_, interrupt_check_ ? &interrupt_check_ : nullptr);
   const StepHook* hook = step_hook_ ? &step_hook_ : nullptr;
+  std::optional<plan::Program> mutant;  // tests only
+  if (mutant_ != Mutant::kNone) [[unlikely]] {
+    mutant = mutated(programs_[call.program], mutant_);
+  }
+  const plan::Program& program = mutant ? *mutant : programs_[call.program];
   try {
     for (int block = 0; block < call.blocks; ++block) {
-      const BlockPass pass(bases, layout, programs_[call.program], call, rank, block, budget, hook);
+      const BlockPass pass(bases, layout, program, call, rank, block, budget, hook);
       pass.run_steps(reduce);
       pass.finish_call();
     }
-    const plan::Program& program = programs_[call.program];
     if (program.num_steps > 0 && program.steps[program.num_steps - 1].kind == StepKind::kEpilogue) {
       run_epilogue(call.dtype, call.output, call.numel, call.epilogue);
     }

@@ -59,6 +59,16 @@ class HostExecutor {
   // well-predicted branch per step.
   void set_step_hook(StepHook hook) { step_hook_ = std::move(hook); }
 
+  // A wrong executor, for the self-test's tests (comm/self_test.h): every program runs with each
+  // sum of two or more operands missing its last one (the split moved so each group keeps one),
+  // or with each group's operands in reverse order (wrong bits from three operands on).
+  enum class Mutant : uint8_t { kNone = 0, kDropOperand = 1, kReverseOperands = 2 };
+  static constexpr auto kMutantNames = plan::name_table<Mutant>(
+      "host executor mutant", {{Mutant::kNone, "none"},
+                               {Mutant::kDropOperand, "drop_operand"},
+                               {Mutant::kReverseOperands, "reverse_operands"}});
+  void set_mutant(Mutant mutant) { mutant_ = mutant; }
+
   // Asked by a wait that has yielded its core, every 20 ms at most (never by a wait that ends
   // within its initial spin): true abandons the call, which fails with kInterrupted at that
   // step (recorded in failure(): the ranks are out of step). The Python bindings install one
@@ -70,7 +80,8 @@ class HostExecutor {
   double timeout_s_ = 0.0;
   std::vector<plan::Program> programs_;
   std::optional<plan::Diagnostic> failure_;
-  StepHook step_hook_;  // tests only; empty otherwise
+  StepHook step_hook_;             // tests only; empty otherwise
+  Mutant mutant_ = Mutant::kNone;  // tests only
   InterruptCheck interrupt_check_;
 };
 

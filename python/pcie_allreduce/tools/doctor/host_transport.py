@@ -62,10 +62,21 @@ def interpret_host_run(run: RunResult, bench_json: str | None, timeout_s: float)
             "detail": f"the host transport turned itself off: {stats.get('disabled_reason')}",
         }
     tactics = sorted({str(r.get("tactic")) for r in rows})
-    return {
-        "status": "ok",
-        "detail": f"world-2 all-reduce of 4 KiB verified, tactic {', '.join(tactics)}",
-    }
+    detail = f"world-2 all-reduce of 4 KiB verified, tactic {', '.join(tactics)}"
+    self_test = stats.get("self_test") or {}
+    failed = self_test.get("failed") or []
+    if failed:
+        wrong = "; ".join(
+            f"{f.get('op')} {f.get('dtype')} {f.get('tactic')} ({f.get('detail')})" for f in failed
+        )
+        return {
+            "status": "failed",
+            "detail": f"{detail}; the self-test withdrew {len(failed)} tactic(s) that gave "
+            f"wrong bits (their calls take the fallback, decline reason self_test): {wrong}",
+        }
+    if self_test.get("cases"):
+        detail += f"; self-test: {self_test['cases']} (op, dtype, tactic) cases bit-exact"
+    return {"status": "ok", "detail": detail}
 
 
 def check_host_transport(system: System, timeout_s: float = HOST_TIMEOUT_S) -> dict[str, Any]:
