@@ -157,6 +157,14 @@ def body(rank: int, world: int) -> list[str]:
             check(out, world, 4096, "bf16", seed=200 + i)
         lines.append("PASS stream switches: 20 calls alternating two streams")
     # Declines go to the group's all-reduce and leave the input alone.
+    # The self-test before serving, on the GPU with the seed table: every case bit-exact.
+    with PcieAllReduce(None, dev, max_numel=65536) as ar:
+        report = ar.stats()["self_test"]
+        assert report["cases"] > 0 and report["failed"] == [], report
+        lines.append(
+            f"PASS self-test: {report['cases']} (op, dtype, tactic) cases bit-exact in "
+            f"{report['seconds']:.2f} s"
+        )
     with PcieAllReduce(None, dev, max_numel=1024) as ar:
         big = rank_input(rank, 4096, torch.float32).to(dev)
         before = big.clone()
