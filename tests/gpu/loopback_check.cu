@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "jsonl.h"
 #include "plan/epilogue.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
@@ -69,6 +70,7 @@ constexpr uint64_t kInitialGen = 0xFFFFFF00u;
 constexpr int64_t kGuardBytes = 256;  // poisoned tail after every output
 constexpr int kGraphReplays = 1000;
 constexpr int kMaxReportedFailures = 40;
+constexpr const char* kProgram = "gpu_check";  // the JSON lines' program (jsonl.h)
 
 // Programmatic dependent launch unless PCIE_ALLREDUCE_PDL=0, read once.
 bool pdl_requested() {
@@ -743,6 +745,13 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
       }
       std::snprintf(line, sizeof(line), " %7.1f (b%2d)", best, best_blocks);
       row += line;
+      if (best_blocks > 0) {
+        pcie_gpu::record(kProgram, "latency",
+                         "\"world\": %d, \"where\": \"%s\", \"pdl\": %s, \"tactic\": \"%s\", "
+                         "\"bytes\": %lld, \"blocks\": %d, \"threads\": 512, \"us\": %.3f",
+                         world, where.c_str(), lb.pdl() ? "true" : "false", c.label.c_str(),
+                         static_cast<long long>(bytes), best_blocks, best);
+      }
     }
     table.push_back(row);
   }
@@ -949,7 +958,14 @@ void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
   std::snprintf(line, sizeof(line), "\nworld %d, 1 row of 4096 bf16: plain all-reduce %.2f us (%s)",
                 world, best_plain, plain_label.c_str());
   latency_table.push_back(line);
+  pcie_gpu::record(kProgram, "fused_decode",
+                   "\"world\": %d, \"form\": \"plain all-reduce\", \"tactic\": \"%s\", "
+                   "\"us\": %.3f",
+                   world, plain_label.c_str(), best_plain);
   for (int k = 0; k < kTimedForms; ++k) {
+    pcie_gpu::record(kProgram, "fused_decode",
+                     "\"world\": %d, \"form\": \"%s\", \"tactic\": \"%s\", \"us\": %.3f", world,
+                     kFusedForms[timed_forms[k]].name, fused_label[k].c_str(), best_fused[k]);
     std::snprintf(line, sizeof(line), "  fused %-24s %.2f us (%s): fused/plain %.2fx",
                   kFusedForms[timed_forms[k]].name, best_fused[k], fused_label[k].c_str(),
                   best_fused[k] / best_plain);

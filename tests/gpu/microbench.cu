@@ -21,40 +21,17 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "jsonl.h"
+
 namespace {
 
-// One measurement as a JSON object: `fields` is the object's inside, printf-style (field names
-// and string values are fixed words here, never escaped); with the device's name and the bench.
-void record(const char* bench, const char* fields, ...) __attribute__((format(printf, 2, 3)));
-void record(const char* bench, const char* fields, ...) {
-  static FILE* out = [] {
-    const char* path = std::getenv("PCIE_GPU_JSONL");
-    return path != nullptr && path[0] != '\0' ? std::fopen(path, "a") : nullptr;
-  }();
-  if (out == nullptr) return;
-  static char device[320] = {};
-  if (device[0] == '\0') {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
-      std::snprintf(device, sizeof(device), "%.255s sm_%d%d", prop.name, prop.major, prop.minor);
-    }
-  }
-  std::fprintf(out, "{\"program\": \"microbench\", \"device\": \"%s\", \"bench\": \"%s\", ", device,
-               bench);
-  va_list args;
-  va_start(args, fields);
-  std::vfprintf(out, fields, args);
-  va_end(args);
-  std::fprintf(out, "}\n");
-  std::fflush(out);
-}
+constexpr const char* kProgram = "microbench";  // the JSON lines' program (jsonl.h)
 
 #define CHECK(call)                                                                                \
   do {                                                                                             \
@@ -154,9 +131,10 @@ void fence_table(const std::vector<Memory>& memories, uint64_t* results) {
       std::printf("%-12s %6d %12llu %12llu %12lld\n", m.name, ctas,
                   static_cast<unsigned long long>(ns[0]), static_cast<unsigned long long>(ns[1]),
                   static_cast<long long>(ns[1]) - static_cast<long long>(ns[0]));
-      record("system_fence",
-             "\"memory\": \"%s\", \"ctas\": %d, \"no_fence_ns\": %llu, \"fence_ns\": %llu", m.name,
-             ctas, static_cast<unsigned long long>(ns[0]), static_cast<unsigned long long>(ns[1]));
+      pcie_gpu::record(
+          kProgram, "system_fence",
+          "\"memory\": \"%s\", \"ctas\": %d, \"no_fence_ns\": %llu, \"fence_ns\": %llu", m.name,
+          ctas, static_cast<unsigned long long>(ns[0]), static_cast<unsigned long long>(ns[1]));
     }
   }
 }
@@ -175,10 +153,10 @@ void poll_table(const std::vector<Memory>& memories, uint64_t* results) {
       }
       std::printf("%-12s %6d %12llu %12llu\n", m.name, count,
                   static_cast<unsigned long long>(ns[0]), static_cast<unsigned long long>(ns[1]));
-      record("flag_polls",
-             "\"memory\": \"%s\", \"flags\": %d, \"serial_ns\": %llu, \"parallel_ns\": %llu",
-             m.name, count, static_cast<unsigned long long>(ns[0]),
-             static_cast<unsigned long long>(ns[1]));
+      pcie_gpu::record(
+          kProgram, "flag_polls",
+          "\"memory\": \"%s\", \"flags\": %d, \"serial_ns\": %llu, \"parallel_ns\": %llu", m.name,
+          count, static_cast<unsigned long long>(ns[0]), static_cast<unsigned long long>(ns[1]));
     }
   }
 }
@@ -230,11 +208,11 @@ void launch_table() {
               kGraphLaunches);
   const float plain = graph_us_per_launch(stream, false);
   std::printf("plain: %.2f\n", plain);
-  record("graph_launch", "\"pdl\": false, \"us\": %.3f", plain);
+  pcie_gpu::record(kProgram, "graph_launch", "\"pdl\": false, \"us\": %.3f", plain);
   if (major >= 9) {
     const float pdl = graph_us_per_launch(stream, true);
     std::printf("PDL:   %.2f\n", pdl);
-    record("graph_launch", "\"pdl\": true, \"us\": %.3f", pdl);
+    pcie_gpu::record(kProgram, "graph_launch", "\"pdl\": true, \"us\": %.3f", pdl);
   } else {
     std::printf("PDL:   n/a (compute capability %d < 9)\n", major);
   }
@@ -348,11 +326,12 @@ bool copy_baseline_row(int world, int64_t bytes, cudaStream_t stream) {
   std::printf("%6d %9lld %9.1f %9.1f %9.1f %11.1f %11.1f %11.1f\n", world,
               static_cast<long long>(bytes), t.median, t.p10, t.p90, spread(d2h).median,
               spread(reduce).median, spread(h2d).median);
-  record("copy_allreduce",
-         "\"world\": %d, \"bytes\": %lld, \"median_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f, "
-         "\"d2h_us\": %.2f, \"reduce_us\": %.2f, \"h2d_us\": %.2f, \"sum_ok\": %s",
-         world, static_cast<long long>(bytes), t.median, t.p10, t.p90, spread(d2h).median,
-         spread(reduce).median, spread(h2d).median, ok ? "true" : "false");
+  pcie_gpu::record(
+      kProgram, "copy_allreduce",
+      "\"world\": %d, \"bytes\": %lld, \"median_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f, "
+      "\"d2h_us\": %.2f, \"reduce_us\": %.2f, \"h2d_us\": %.2f, \"sum_ok\": %s",
+      world, static_cast<long long>(bytes), t.median, t.p10, t.p90, spread(d2h).median,
+      spread(reduce).median, spread(h2d).median, ok ? "true" : "false");
   for (int r = 0; r < world; ++r) {
     CHECK(cudaFree(dev_in[r]));
     CHECK(cudaFree(dev_out[r]));
@@ -425,18 +404,18 @@ bool copy_baseline_table() {
       std::snprintf(label, sizeof(label), "%s %lld B + sync",
                     kind == cudaMemcpyDeviceToHost ? "D2H" : "H2D", static_cast<long long>(bytes));
       std::printf("%-26s %9.1f %9.1f %9.1f\n", label, t.median, t.p10, t.p90);
-      record("copy_round_trip",
-             "\"kind\": \"%s\", \"bytes\": %lld, \"median_us\": %.2f, \"p10_us\": %.2f, "
-             "\"p90_us\": %.2f",
-             kind == cudaMemcpyDeviceToHost ? "D2H" : "H2D", static_cast<long long>(bytes),
-             t.median, t.p10, t.p90);
+      pcie_gpu::record(kProgram, "copy_round_trip",
+                       "\"kind\": \"%s\", \"bytes\": %lld, \"median_us\": %.2f, \"p10_us\": %.2f, "
+                       "\"p90_us\": %.2f",
+                       kind == cudaMemcpyDeviceToHost ? "D2H" : "H2D",
+                       static_cast<long long>(bytes), t.median, t.p10, t.p90);
     }
   }
   const Spread idle = idle_sync_us(stream);
   std::printf("%-26s %9.1f %9.1f %9.1f\n", "sync of an idle stream", idle.median, idle.p10,
               idle.p90);
-  record("idle_sync", "\"median_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f", idle.median,
-         idle.p10, idle.p90);
+  pcie_gpu::record(kProgram, "idle_sync", "\"median_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f",
+                   idle.median, idle.p10, idle.p90);
   CHECK(cudaStreamDestroy(stream));
   return ok;
 }

@@ -130,14 +130,16 @@ check="$BIN/pcie_gpu_check"
 # round trips over PCIe, the pinned-copy baseline; each also one JSON line in microbench.jsonl.
 step microbench 60 env PCIE_GPU_JSONL="$OUT/microbench.jsonl" "$BIN/pcie_gpu_microbench"
 # Correctness of every schedule at world 2, graph replay, and its latency tables (loopback; one
-# virtual rank's workspace in host memory; every workspace in host memory).
-step loopback-w2 90 "$check" --world=2
+# virtual rank's workspace in host memory; every workspace in host memory). Every latency cell
+# and fused decode time is also one JSON line in gpu_check.jsonl, written as it is measured.
+jsonl="$OUT/gpu_check.jsonl"
+step loopback-w2 90 env PCIE_GPU_JSONL="$jsonl" "$check" --world=2
 # The failure paths: each ends in a trapped kernel, which kills the CUDA context.
 for path in timeout mismatch ll-timeout ll-mismatch lamport-timeout lamport-mismatch; do
   step "fail-$path" 30 "$check" "--$path-test"
 done
-step loopback-w8 120 "$check" --world=8
-step loopback-w4 90 "$check" --world=4
-step pdl-off 60 env PCIE_ALLREDUCE_PDL=0 "$check" --quick --world=2
+step loopback-w8 120 env PCIE_GPU_JSONL="$jsonl" "$check" --world=8
+step loopback-w4 90 env PCIE_GPU_JSONL="$jsonl" "$check" --world=4
+step pdl-off 60 env PCIE_ALLREDUCE_PDL=0 PCIE_GPU_JSONL="$jsonl" "$check" --quick --world=2
 
 finish
