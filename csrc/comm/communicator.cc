@@ -172,7 +172,8 @@ std::string Communicator::chosen_tactic(Op op, const at::Tensor& inp, const at::
   const Admission a = admit(op, inp, weight, gate());
   if (a.decline != Decline::kNone) return std::string(fallback_label(op));
   const CallPlan plan = plan_call(op, a, inp);
-  return plan.fallback ? std::string(fallback_label(op)) : plan::tactic_label(plan.first().tactic);
+  return plan.fallback() ? std::string(fallback_label(op))
+                         : plan::tactic_label(plan.first().tactic);
 }
 
 int Communicator::prepare() {

@@ -21,7 +21,6 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "comm/admission.h"
@@ -168,8 +167,9 @@ class Communicator {
     std::vector<plan::Round> rounds;         // its rounds, each with
     std::vector<const Decision*> decisions;  // its decision
     int64_t chunk = 0;  // a streamed collective's chunk length: its rounds are in each chunk's
-    bool fallback = false;
-    Decline reason = Decline::kNone;  // the fallback's: kTable or kSelfTest
+    // kNone: the kernels run it; else why the fallback does: kTable or kSelfTest.
+    Decline reason = Decline::kNone;
+    bool fallback() const { return reason != Decline::kNone; }
     const Decision& first() const { return whole != nullptr ? *whole : *decisions.front(); }
   };
   CallPlan plan_call(Op op, const Admission& admission, const at::Tensor& inp);
@@ -198,7 +198,7 @@ class Communicator {
   std::function<bool()> interrupt_check_;  // Ctrl-C: the workspace's waits and the fallback's
   std::atomic<bool> busy_{false};
   bool connected_ = false;
-  std::set<std::tuple<size_t, int, std::string>> self_tested_;  // (op index, dtype, tactic)
+  std::set<TacticKey> self_tested_;
   int skip_program_ = -1;  // plan::skip_program in the workspace, once connected
   bool released_ = false;
   uint64_t fork_generation_;  // forks this process had survived as a child when it was made

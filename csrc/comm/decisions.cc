@@ -25,11 +25,6 @@ uint64_t decision_key(Op op, plan::DType dtype, int64_t bytes) {
 }
 constexpr uint64_t kBytesMask = (uint64_t{1} << 56) - 1;
 
-std::tuple<size_t, int, std::string> withdrawn_key(Op op, plan::DType dtype,
-                                                   const plan::Tactic& tactic) {
-  return {op_index(op), static_cast<int>(dtype), plan::tactic_label(tactic)};
-}
-
 }  // namespace
 
 Decisions::Decisions(const Options& options, Counters& counters)
@@ -88,13 +83,13 @@ const Decision& Decisions::decide(Op op, plan::DType dtype, int64_t bytes) {
     log(options_, 1, table_.source() + " line " + std::to_string(line) + " skipped: " + why);
   }
   Decision d;
-  d.fallback = choice.fallback;
+  d.reason = choice.fallback ? Decline::kTable : Decline::kNone;
   d.tactic = choice.tactic;
-  if (!d.fallback && withdrawn_.count(withdrawn_key(op, dtype, d.tactic)) != 0) {
-    d.fallback = true;
+  if (!d.fallback() && !withdrawn_.empty() &&
+      withdrawn_.count(tactic_key(op, dtype, plan::tactic_label(d.tactic))) != 0) {
     d.reason = Decline::kSelfTest;
   }
-  if (!d.fallback) {
+  if (!d.fallback()) {
     d.program = &program_for(op, d.tactic);
     d.signature = op_signature(op, dtype, d.tactic);
     const std::string label = plan::tactic_label(d.tactic);
@@ -132,12 +127,12 @@ int Decisions::prepare(const std::vector<plan::DType>& dtypes) {
 }
 
 std::vector<TacticUse> Decisions::uses() const {
-  std::map<std::tuple<size_t, int, std::string>, TacticUse> by_use;
+  std::map<TacticKey, TacticUse> by_use;
   for (const auto& [key, d] : decisions_) {
-    if (d.fallback) continue;
+    if (d.fallback()) continue;
     const Op op = kOpNames.entries[key >> 60].value;
     const auto dtype = static_cast<plan::DType>((key >> 56) & 0xF);
-    TacticUse& use = by_use[withdrawn_key(op, dtype, d.tactic)];
+    TacticUse& use = by_use[tactic_key(op, dtype, plan::tactic_label(d.tactic))];
     use.op = op;
     use.dtype = dtype;
     use.tactic = d.tactic;
@@ -152,7 +147,7 @@ std::vector<TacticUse> Decisions::uses() const {
 }
 
 void Decisions::withdraw(Op op, plan::DType dtype, const std::string& tactic) {
-  withdrawn_.insert({op_index(op), static_cast<int>(dtype), tactic});
+  withdrawn_.insert(tactic_key(op, dtype, tactic));
   decisions_.clear();
 }
 

@@ -35,8 +35,10 @@ struct InstalledProgram {
 };
 
 struct Decision {
-  bool fallback = true;
-  Decline reason = Decline::kTable;  // a fallback's: the table's, or the self-test's
+  // kNone: the kernels run it; else why not: the table's choice (kTable) or the self-test's
+  // withdrawal of the tactic the table chose (kSelfTest).
+  Decline reason = Decline::kTable;
+  bool fallback() const { return reason != Decline::kNone; }
   plan::Tactic tactic;
   // A kernel decision's:
   const InstalledProgram* program = nullptr;
@@ -45,6 +47,12 @@ struct Decision {
   // The fused call also counts as the all-reduce it holds: the all-reduce's counter.
   int64_t* contained_calls = nullptr;
 };
+
+// (op index, dtype, tactic label): what the self-test tests once and withdraws.
+using TacticKey = std::tuple<size_t, int, std::string>;
+inline TacticKey tactic_key(Op op, plan::DType dtype, const std::string& tactic_label) {
+  return {op_index(op), static_cast<int>(dtype), tactic_label};
+}
 
 // One (op, dtype, tactic) the table chose for admitted messages, with every message size (bytes,
 // ascending) it was decided for: what the self-test runs once (comm/self_test.h).
@@ -99,8 +107,7 @@ class Decisions {
   plan::TuningTable table_;
   std::unordered_map<uint64_t, Decision> decisions_;
   std::map<std::tuple<int, int, int, int, size_t>, std::unique_ptr<InstalledProgram>> programs_;
-  // withdraw(): (op index, dtype, tactic label), kept across tables.
-  std::set<std::tuple<size_t, int, std::string>> withdrawn_;
+  std::set<TacticKey> withdrawn_;  // withdraw(): kept across tables
 };
 
 }  // namespace pcie_ar::comm

@@ -37,8 +37,7 @@ Communicator::CallPlan Communicator::plan_call(Op op, const Admission& a, const 
   CallPlan plan;
   if (a.message <= options_.max_numel) {
     plan.whole = &decisions_.decide(op, a.dtype, a.bytes());
-    plan.fallback = plan.whole->fallback;
-    if (plan.fallback) plan.reason = plan.whole->reason;
+    plan.reason = plan.whole->reason;
     return plan;
   }
   const int64_t elem = plan::dtype_bytes(a.dtype);
@@ -54,12 +53,10 @@ Communicator::CallPlan Communicator::plan_call(Op op, const Admission& a, const 
   for (const plan::Round& round : plan.rounds) {
     const Decision& d = decisions_.decide(op, a.dtype, round.numel * shares * elem);
     plan.decisions.push_back(&d);
-    plan.fallback |= d.fallback;
     // A round the self-test took from its tactic says so, ahead of one the table declines.
-    if (d.fallback && plan.reason != Decline::kSelfTest) plan.reason = d.reason;
+    if (d.fallback() && plan.reason != Decline::kSelfTest) plan.reason = d.reason;
   }
-  plan.fallback |= plan.rounds.empty();
-  if (plan.fallback && plan.reason == Decline::kNone) plan.reason = Decline::kTable;
+  if (plan.rounds.empty()) plan.reason = Decline::kTable;
   return plan;
 }
 

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <tuple>
 
 #include "comm/arguments.h"
 #include "comm/communicator.h"
@@ -61,6 +60,11 @@ float from_parts(bool negative, int exponent, uint32_t mantissa) {
   const uint32_t bits = (negative ? 0x80000000u : 0u) |
                         (static_cast<uint32_t>(exponent + 127) << 23) | ((mantissa & 127u) << 16);
   return std::bit_cast<float>(bits);
+}
+
+// `f` (fp32) in `dtype`: itself for fp32.
+at::Tensor in_dtype(const at::Tensor& f, plan::DType dtype) {
+  return dtype == plan::DType::kFP32 ? f : f.to(scalar_type(dtype));
 }
 
 // known_values before the dtype: fp32 values exact in the dtype.
@@ -185,8 +189,7 @@ std::vector<int64_t> candidate_sizes(const TacticUse& use) {
 }  // namespace
 
 at::Tensor known_values(int64_t numel, uint64_t salt, plan::DType dtype) {
-  const at::Tensor f = known_floats(numel, salt, dtype);
-  return dtype == plan::DType::kFP32 ? f : f.to(scalar_type(dtype));
+  return in_dtype(known_floats(numel, salt, dtype), dtype);
 }
 
 std::vector<at::Tensor> known_inputs(int world, int64_t numel, plan::DType dtype) {
@@ -206,7 +209,7 @@ std::vector<at::Tensor> known_inputs(int world, int64_t numel, plan::DType dtype
       v[i] =
           q == first ? big : (q == (first + 1) % world ? -big : small * static_cast<float>(q + 1));
     }
-    x.push_back(dtype == plan::DType::kFP32 ? f : f.to(scalar_type(dtype)));
+    x.push_back(in_dtype(f, dtype));
   }
   return x;
 }
@@ -281,14 +284,13 @@ std::vector<SelfTestResult> Communicator::self_test(bool again) {
   std::vector<std::vector<int64_t>> sizes;
   std::map<plan::DType, int64_t> most;  // elements of the largest case per dtype
   for (const TacticUse& use : decisions_.uses()) {
-    const auto key = std::make_tuple(op_index(use.op), static_cast<int>(use.dtype),
-                                     plan::tactic_label(use.tactic));
+    const TacticKey key = tactic_key(use.op, use.dtype, plan::tactic_label(use.tactic));
     if (!again && self_tested_.count(key) != 0) continue;
     self_tested_.insert(key);
     std::vector<int64_t> fitting;
     for (const int64_t bytes : candidate_sizes(use)) {
       const Decision& d = decisions_.decide(use.op, use.dtype, bytes);
-      if (d.fallback || plan::tactic_label(d.tactic) != std::get<2>(key)) continue;
+      if (d.fallback() || d.tactic != use.tactic) continue;
       if (self_test_shape(use.op, use.dtype, bytes / plan::dtype_bytes(use.dtype))) {
         fitting.push_back(bytes);
       }
