@@ -29,11 +29,17 @@ TARGETS = (
 # without one-load delivery), without one-load delivery, the executor as built, and one change
 # the model prices that the executor does not make yet.
 CURRENT = "current"
+LARGE = "large-message kernels"
 EXECUTORS = (
     ("serial first look", {"parallel_first_look": False, "multi_destination_copies": False}),
     ("one load per copy", {"multi_destination_copies": False}),
     (CURRENT, {}),
-    ("+ parallel re-looks", {"parallel_relooks": True}),
+    # The same tactic launched with more than 256 threads: the large-message kernels' groups of
+    # two (lamport four, sm_100+) and their missed operands awaited one at a time.
+    (
+        LARGE,
+        {"first_look_group": 2, "dense_first_look_group": 4, "parallel_relooks": False},
+    ),
 )
 
 

@@ -16,10 +16,14 @@ namespace pcie_ar::plan {
 
 ExecutorModel current_executor() {
   ExecutorModel e;
-  e.first_look_group = 2;             // kLLGroup (primitives_gpu.cuh)
-  e.dense_first_look_group = 4;       // kLLDenseGroup on sm_120
+  // The decode-shaped kernels' groups (kLLGroup<kDecodeThreads>, primitives_gpu.cuh): every LL
+  // and lamport tactic the seed derives launches 256 threads (tuning/model.py, launch_shape), so
+  // it runs them (kernel_params.h, executor_bound). The large-message kernels take 2 (lamport 4
+  // on sm_100+); nothing the model prices runs LL on them.
+  e.first_look_group = kMaxSources;
+  e.dense_first_look_group = kMaxSources;
   e.parallel_first_look = true;       // gather_ll_group: loads, then compares (tests/sass)
-  e.parallel_relooks = false;         // a missed operand: await_ll, one at a time
+  e.parallel_relooks = true;          // relook_ll_group: every missed operand at each look
   e.multi_destination_copies = true;  // runs of copies of one chunk: run_fanout
   return e;
 }

@@ -50,10 +50,12 @@ struct LatencyModel {
 
 // What the executor's code does that the model cannot read from the step lists.
 struct ExecutorModel {
-  // Operands a thread takes at a time (kLLGroup in primitives_gpu.cuh: 2 on every architecture).
+  // Operands a thread takes at a time (kLLGroup in primitives_gpu.cuh: every operand in the
+  // decode-shaped kernels, 2 in the large-message ones). A default-constructed model is the
+  // large-message kernel's; current_executor() is what the seed's LL tactics run.
   int first_look_group = 2;
-  // The same for Lamport operands (kLLDenseGroup: 4 on sm_100 and sm_120, the PCIe Blackwell
-  // hosts this project is for; kLLGroup below).
+  // The same for Lamport operands (kLLDenseGroup: as kLLGroup, but 4 in the large-message
+  // kernels on sm_100 and sm_120).
   int dense_first_look_group = 4;
   // True when a group's loads all issue before its first tag compare; false when each LL
   // operand's compare waits for its own load before the next operand's load issues (every LL

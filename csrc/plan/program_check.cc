@@ -113,7 +113,18 @@ void check_reduce(const std::string& at, const Step& step, const Program& progra
     throw std::invalid_argument(at + "reserved bytes are not zero");
   }
   check_ref(at, step.dst, true);
-  for (int i = 0; i < step.num_srcs; ++i) check_ref(at, step.srcs[i], false);
+  for (int i = 0; i < step.num_srcs; ++i) {
+    check_ref(at, step.srcs[i], false);
+    // The CUDA executor resets an LL step's consumed words after it stores the result
+    // (reduce_slice_ll): a destination among them would be erased.
+    if (step.dst.space == Space::kLL && step.srcs[i].space == Space::kLL &&
+        step.srcs[i].owner == step.dst.owner && step.srcs[i].slot == step.dst.slot) {
+      throw std::invalid_argument(at + "writes LL slot " + str(step.dst.slot) + " of rank " +
+                                  str(step.dst.owner) + ", which it also reads (operand " + str(i) +
+                                  "); an LL step consumes its operands, so its destination must "
+                                  "be another slot");
+    }
+  }
   if (step.num_dsts == 2) {
     if (step.dst.space == Space::kLL || step.dst2.space == Space::kLL) {
       throw std::invalid_argument(at + "an LL slot cannot be one of two destinations");

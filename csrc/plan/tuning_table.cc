@@ -61,8 +61,8 @@ cuda_host,2,*,262144,*,reduce_scatter:twoshot,push,0,32,512
 cuda_host,2,*,0,65536,all_gather:twoshot,push,0,8,256,ll
 cuda_host,2,*,65536,131072,all_gather:twoshot,push,0,16,256
 cuda_host,2,*,131072,*,all_gather:twoshot,push,0,32,512
-cuda_host,4,*,0,16384,oneshot,push,0,8,256,lamport
-cuda_host,4,*,16384,131072,oneshot,push,0,16,256
+cuda_host,4,*,0,32768,oneshot,push,0,8,256,lamport
+cuda_host,4,*,32768,131072,oneshot,push,0,16,256
 cuda_host,4,*,131072,262144,oneshot,push,0,32,512
 cuda_host,4,*,262144,*,twoshot,push,0,32,512
 cuda_host,4,*,0,131072,reduce_scatter:twoshot,push,0,8,256,lamport
@@ -70,20 +70,19 @@ cuda_host,4,*,131072,*,reduce_scatter:twoshot,push,0,32,512
 cuda_host,4,*,0,65536,all_gather:twoshot,push,0,8,256,ll
 cuda_host,4,*,65536,131072,all_gather:twoshot,push,0,16,256
 cuda_host,4,*,131072,*,all_gather:twoshot,push,0,32,512
-cuda_host,*,*,0,8192,oneshot,push,0,8,256,lamport
-cuda_host,*,*,8192,131072,oneshot,push,0,16,256
-cuda_host,*,*,131072,262144,twoshot,push,0,8,256,lamport
-cuda_host,*,*,262144,*,twoshot,push,0,32,512
-cuda_host,*,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
-cuda_host,*,*,262144,*,reduce_scatter:twoshot,push,0,32,512
+cuda_host,*,*,0,16384,oneshot,push,0,8,256,lamport
+cuda_host,*,*,16384,131072,oneshot,push,0,16,256
+cuda_host,*,*,131072,*,twoshot,push,0,32,512
+cuda_host,*,*,0,131072,reduce_scatter:twoshot,push,0,8,256,lamport
+cuda_host,*,*,131072,*,reduce_scatter:twoshot,push,0,32,512
 cuda_host,*,*,0,65536,all_gather:twoshot,push,0,8,256,ll
 cuda_host,*,*,65536,131072,all_gather:twoshot,push,0,16,256
 cuda_host,*,*,131072,*,all_gather:twoshot,push,0,32,512
 # Two sockets: each rank's flow across the socket link is priced on its own (a per-flow rate):
 # the flat forms at the smallest sizes, the island forms where crossing once per chunk pays.
-islands-2x4,8,*,0,4096,oneshot,push,0,8,256,lamport
-islands-2x4,8,*,4096,16384,island_oneshot,push,0,8,256,lamport
-islands-2x4,8,*,16384,262144,island_twoshot,push,0,8,256,lamport
+islands-2x4,8,*,0,8192,oneshot,push,0,8,256,lamport
+islands-2x4,8,*,8192,32768,island_oneshot,push,0,8,256,lamport
+islands-2x4,8,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x4,8,*,262144,524288,twoshot,push,0,32,512
 islands-2x4,8,*,524288,*,island_twoshot,push,1,32,512
 islands-2x4,8,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
@@ -93,8 +92,8 @@ islands-2x4,8,*,0,65536,all_gather:twoshot,push,0,8,256,ll
 islands-2x4,8,*,65536,131072,all_gather:twoshot,push,0,16,256
 islands-2x4,8,*,131072,1048576,all_gather:twoshot,push,0,32,512
 islands-2x4,8,*,1048576,*,all_gather:island_twoshot,push,1,32,512
-islands-2x3,6,*,0,2048,oneshot,push,0,8,256,ll
-islands-2x3,6,*,2048,32768,island_oneshot,push,0,8,256,lamport
+islands-2x3,6,*,0,16384,oneshot,push,0,8,256,lamport
+islands-2x3,6,*,16384,32768,island_oneshot,push,0,8,256,lamport
 islands-2x3,6,*,32768,262144,island_twoshot,push,0,8,256,lamport
 islands-2x3,6,*,262144,*,island_twoshot,push,1,32,512
 islands-2x3,6,*,0,262144,reduce_scatter:twoshot,push,0,8,256,lamport
@@ -104,8 +103,8 @@ islands-2x3,6,*,0,65536,all_gather:twoshot,push,0,8,256,ll
 islands-2x3,6,*,65536,131072,all_gather:twoshot,push,0,16,256
 islands-2x3,6,*,131072,1048576,all_gather:twoshot,push,0,32,512
 islands-2x3,6,*,1048576,*,all_gather:island_twoshot,push,1,32,512
-islands-2x2,4,*,0,8192,oneshot,push,0,8,256,lamport
-islands-2x2,4,*,8192,131072,island_oneshot,push,0,8,256,lamport
+islands-2x2,4,*,0,16384,oneshot,push,0,8,256,lamport
+islands-2x2,4,*,16384,131072,island_oneshot,push,0,8,256,lamport
 islands-2x2,4,*,131072,262144,island_twoshot,push,0,8,256,lamport
 islands-2x2,4,*,262144,*,island_twoshot,push,0,32,512
 islands-2x2,4,*,0,131072,reduce_scatter:twoshot,push,0,8,256,lamport

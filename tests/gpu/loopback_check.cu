@@ -323,6 +323,11 @@ struct Shape {
   int threads;
 };
 
+// Threads per CTA a timed call of `c` launches: LL and lamport at the seed's decode shape, which
+// runs the decode-shaped kernels (kDecodeThreads: every operand in one look); the flag protocol
+// at 512 (the large-message kernels).
+int timed_threads(const Case& c) { return c.ll ? pcie_ar::transport::kDecodeThreads : 512; }
+
 // Runs one all-reduce and checks it: rank 0 against the reference within the rounding the
 // algorithm allows, every other rank bitwise equal to rank 0, the guard tails untouched.
 bool run_and_check(CudaLoopback& lb, int schedule_id, const Case& c, const Data& data, Buffers& buf,
@@ -698,7 +703,7 @@ double time_per_call_us(CudaLoopback& lb, int schedule_id, const plan::Tactic& t
 }
 
 // One table: a row per tactic (interleaved islands left out: same code path as the halves),
-// a column per size, each cell the best of blocks 4/16/32 at 512 threads. LL rows stop at the
+// a column per size, each cell the best of blocks 4/16/32 at timed_threads(). LL rows stop at the
 // layout's LL capacity.
 void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std::vector<int>& ids,
                      Buffers& buf, const std::vector<int64_t>& sizes, const std::string& where,
@@ -707,7 +712,8 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
   const std::string key = "world " + std::to_string(world) + " | latency " + where;
   char line[512];
   std::snprintf(line, sizeof(line),
-                "\nworld %d, %s, bf16, us per call (best of blocks 4/16/32, 512 threads; median "
+                "\nworld %d, %s, bf16, us per call (best of blocks 4/16/32; LL and lamport 256 "
+                "threads, flag 512; median "
                 "of 25 graph replays of 20 calls; PDL %s)",
                 world, where.c_str(), lb.pdl() ? "on" : "off");
   table.push_back(line);
@@ -731,8 +737,9 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
       double best = 0;
       int best_blocks = 0;
       for (int blocks : {4, 16, 32}) {
-        const plan::Tactic tactic = tactic_of(c, blocks, 512);
-        if (blocks * world > lb.max_resident_blocks(DType::kBF16, tactic.direction, 512)) {
+        const plan::Tactic tactic = tactic_of(c, blocks, timed_threads(c));
+        if (blocks * world >
+            lb.max_resident_blocks(DType::kBF16, tactic.direction, tactic.threads)) {
           tally(key).skip++;
           continue;
         }
@@ -748,9 +755,9 @@ void measure_latency(CudaLoopback& lb, const std::vector<Case>& cases, const std
       if (best_blocks > 0) {
         pcie_gpu::record(kProgram, "latency",
                          "\"world\": %d, \"where\": \"%s\", \"pdl\": %s, \"tactic\": \"%s\", "
-                         "\"bytes\": %lld, \"blocks\": %d, \"threads\": 512, \"us\": %.3f",
+                         "\"bytes\": %lld, \"blocks\": %d, \"threads\": %d, \"us\": %.3f",
                          world, where.c_str(), lb.pdl() ? "true" : "false", c.label.c_str(),
-                         static_cast<long long>(bytes), best_blocks, best);
+                         static_cast<long long>(bytes), best_blocks, timed_threads(c), best);
       }
     }
     table.push_back(row);
@@ -929,7 +936,7 @@ void check_fused(CudaLoopback& lb, const std::vector<Case>& cases, Buffers& buf,
       }
       if (dtype != DType::kBF16) continue;
       // Decode size: one row of hidden 4096 bf16 (8 KiB), plain vs each timed form, graph-timed.
-      const plan::Tactic timed = tactic_of(c, 4, 512);
+      const plan::Tactic timed = tactic_of(c, 4, timed_threads(c));
       const double tp = time_per_call_us(lb, plain, timed, hidden, buf);
       if (tp < best_plain) best_plain = tp, plain_label = plan::tactic_label(timed);
       for (int k = 0; k < kTimedForms; ++k) {
@@ -1002,7 +1009,7 @@ void check_collectives(CudaLoopback& lb, const std::vector<Case>& cases,
     if (c.interleaved) continue;
     for (int64_t bytes : timed_sizes) {
       if (c.ll && bytes > lb.layout().ll_capacity_bytes) continue;
-      const plan::Tactic timed = tactic_of(c, 4, 512);
+      const plan::Tactic timed = tactic_of(c, 4, timed_threads(c));
       const double us = time_per_call_us(lb, ids[i], timed, bytes / 2, buf);
       if (!best[0].count(bytes) || us < best[0][bytes]) {
         best[0][bytes] = us;

@@ -67,6 +67,20 @@ Per push kernel, the widest fan-out of loops storing
 plain (st.global.cg) and of loops storing volatile (LL, lamport) must both reach 7. A loop that
 re-loads its source per destination (one copy step at a time) has a fan-out of 1.
 
+(e) One look per reduce in the decode-shaped kernels (push, __launch_bounds__(256): the third
+    template argument): the widest LL first look holds 8 LL pairs and the widest lamport first
+    look 8 lamport loads (plan::kMaxSources), so with (a) and (c) every operand of a reduce is in
+    flight before the first compare. The large-message kernels (1024) take theirs a few at a time
+    (kLLGroup in primitives_gpu.cuh). Enforced where (a) is.
+
+(f) The decode-shaped kernels store a reduce's result before they reset the words it consumed:
+    after each look of two or more operands, the next 16-byte global store in address order is
+    not a reset (four empty words: each data register last written, in address order, with
+    kLLEmpty: a move of the immediate, or ptxas's fp16x2 -0 * 0 + (-0.0, 0)). The slow path
+    between a look and its store stores nothing of 16 bytes. The large-message kernels reset each
+    group after its look: every one of their looks is followed by a reset, and a push kernel of
+    theirs with none found means the heuristic needs updating (exit 2).
+
 The check also requires that every push kernel holds windows with two or more LL pairs and
 windows with two or more lamport loads: if none are found the SASS has changed shape and the
 heuristic must be revisited.
@@ -75,12 +89,14 @@ heuristic must be revisited.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,6 +200,8 @@ def is_ll_load(i: Insn) -> bool:
 
 EMPTY_WORD = "-0x80000000"  # kLLEmpty as an ISETP immediate
 MAX_FANOUT = 7  # kMaxFanout in executor.cuh: every peer of an 8-rank world
+DECODE_THREADS = 256  # kDecodeThreads in kernel_params.h: the decode-shaped kernels' bound
+ONE_LOOK = 8  # plan::kMaxSources: the operands of the widest reduce
 STORE_ADDRESS = re.compile(r"\[(R\d+)(?:\.64)?(?:\s*\+\s*(0x[0-9a-f]+|\d+))?\]")
 
 
@@ -197,6 +215,20 @@ def is_separator(i: Insn) -> bool:
         if target and int(target.group(1), 16) <= i.addr:
             return True
     return False
+
+
+def follow_load(
+    loaded: dict[int, int], i: Insn, d: int, src: re.Match[str] | None, key: int
+) -> None:
+    """Register d once i has written it: loaded[d] names the volatile load it holds (`key` when i
+    is one), followed through a plain move (`src`: the moved register), and is forgotten when i
+    overwrites it unconditionally."""
+    if is_ll_load(i):
+        loaded[d] = key
+    elif src and int(src.group(1)) in loaded:
+        loaded[d] = loaded[int(src.group(1))]
+    elif d in loaded and not i.pred:
+        del loaded[d]
 
 
 def negation(pred: str) -> str:
@@ -276,14 +308,128 @@ def windows(insns: list[Insn]) -> list[Window]:
                 tags[d] = tags[int(src.group(1))]
             elif d in tags and not (i.pred and tags[d] == negation(i.pred)):
                 del tags[d]
-            if is_ll_load(i):
-                loaded[d] = id(i)
-            elif src and int(src.group(1)) in loaded:
-                loaded[d] = loaded[int(src.group(1))]
-            elif d in loaded and not i.pred:
-                del loaded[d]
+            follow_load(loaded, i, d, src, id(i))
     close()
     return found
+
+
+@dataclass
+class Look:
+    """A decode-shaped kernel's first look: the volatile 16-byte loads of a window issued before
+    the window's first compare of a volatile-loaded word, and the loads after that compare that a
+    later compare of the window reads (late: they waited for the compare)."""
+
+    insns: list[Insn]
+    loads: list[int]  # indices into insns, before first_compare
+    first_compare: int
+    late_loads: list[int]
+    lamport: bool  # the first compare tests a word against the empty word; else an LL tag
+    reset_next: bool  # the next 16-byte store after the window is a reset (see reset_store)
+
+    @property
+    def late(self) -> bool:
+        return bool(self.late_loads)
+
+
+def compared_looks(insns: list[Insn]) -> list[Look]:
+    """The windows (cut at separators, as windows() cuts them) in which a compare reads a word
+    of a volatile 16-byte load, followed through moves. The decode-shaped kernels load an LL
+    operand's second LL vector at a computed address (+1 vector, +0 for a plain operand:
+    gather_ll_group's Decode), so their pairs are not +0x10 apart, and ptxas may sink an
+    operand's compares into the slow path of the operand before it (other windows): what (a),
+    (c) and (e) ask of them is how many loads are in flight at the first compare, and that no
+    load the window compares waits for it."""
+    found: list[Look] = []
+    body: list[Insn] = []
+    loads: list[int] = []
+    loaded: dict[int, int] = {}  # register -> index of the volatile load that wrote it
+    first: int | None = None
+    compared_after: set[int] = set()
+
+    def close(end: int) -> None:
+        nonlocal body, loads, first, compared_after
+        if first is not None and len(loads) >= 2:
+            before = [k for k in loads if k < first]
+            late = sorted(k for k in compared_after if k > first)
+            reset = resets_next(insns, end)
+            found.append(Look(body, before, first, late, EMPTY_WORD in body[first].args, reset))
+        body, loads, first, compared_after = [], [], None, set()
+        loaded.clear()
+
+    for at, i in enumerate(insns):
+        if is_separator(i):
+            close(at)
+            continue
+        body.append(i)
+        k = len(body) - 1
+        if i.op.startswith("ISETP"):
+            reads = {loaded[r] for r in i.sources() if r in loaded}
+            if reads and first is None:
+                first = k
+            elif reads:
+                compared_after |= reads
+        if is_ll_load(i):
+            loads.append(k)
+        src = re.fullmatch(r"R(\d+)", i.args[-1]) if i.op in MOVES and i.args else None
+        for d in i.dests():
+            follow_load(loaded, i, d, src, k)
+    close(len(insns))
+    return found
+
+
+def resets_next(insns: list[Insn], start: int) -> bool:
+    """Whether the first 16-byte global store from insns[start] on, in address order, is a reset
+    (reset_ll: four empty words, each data register last written with kLLEmpty before it, in
+    address order). The slow path between a look and what follows it stores nothing of 16 bytes
+    (a failure record is 32-bit words), so this is either the look's reset or its result."""
+    for at in range(start, len(insns)):
+        i = insns[at]
+        if not (i.op.startswith("STG") and ".128" in i.op):
+            continue
+        m = re.fullmatch(r"R(\d+)", i.args[1].strip()) if len(i.args) > 1 else None
+        if m is None:
+            return False
+        writes = register_writes(insns)
+        return all(
+            (w := writes.get(r)) is not None
+            and (k := bisect.bisect_left(w, (at, False)) - 1) >= 0
+            and w[k][1]
+            for r in range(int(m.group(1)), int(m.group(1)) + 4)
+        )
+    return False
+
+
+_WRITES: dict[int, dict[int, list[tuple[int, bool]]]] = {}
+# How ptxas materialises kLLEmpty (0x80000000) in a register: a move of the immediate (MOV.64 two
+# at once, on sm_120), or an fp16x2 fused multiply-add of -0 * 0 + (-0.0, 0).
+EMPTY_IMMEDIATES = (EMPTY_WORD, "0x80000000", "0x8000000080000000")
+
+
+def writes_empty(i: Insn) -> bool:
+    if (i.op in MOVES or i.op == "MOV.64") and i.args and i.args[-1] in EMPTY_IMMEDIATES:
+        return True
+    return i.op.startswith("HFMA2") and i.args[1:] == ["-RZ", "RZ", "-0.0", "0"]
+
+
+def register_writes(insns: list[Insn]) -> dict[int, list[tuple[int, bool]]]:
+    """Per register, the positions that write it and whether each writes the empty word (one
+    pass per kernel, kept by the listing's identity)."""
+    if id(insns) not in _WRITES:
+        out: dict[int, list[tuple[int, bool]]] = {}
+        for at, i in enumerate(insns):
+            for d in i.dests():
+                out.setdefault(d, []).append((at, writes_empty(i)))
+        _WRITES[id(insns)] = out
+    return _WRITES[id(insns)]
+
+
+def look_excerpt(look: Look) -> str:
+    """A late look's compared loads and its first compare, in listing order."""
+    marks = {k: "load" for k in look.loads} | {k: "late load" for k in look.late_loads}
+    marks[look.first_compare] = "first compare"
+    return "\n".join(
+        f"      {look.insns[k].text:70} <- {what}" for k, what in sorted(marks.items())
+    )
 
 
 def backward_target(i: Insn) -> int | None:
@@ -327,15 +473,43 @@ class Report:
     lmem: list[Insn]
     looks: int  # windows with two or more LL pairs
     widest: int
-    late: list[Window]  # windows where a tag compare precedes an LL load
+    late: Sequence[Window | Look]  # windows where a tag compare precedes an LL load
     dense_looks: int  # windows with two or more lamport loads
     dense_widest: int
-    dense_late: list[Window]  # windows where an empty-word compare precedes a lamport load
+    dense_late: Sequence[Window | Look]  # where an empty-word compare precedes a lamport load
     fanout: dict[str, int]  # the widest delivery loop per kind of store
+    # Multi-operand looks (compared_looks) and those whose next 16-byte store is a reset: (f).
+    operand_looks: int = 0
+    reset_first: int = 0
+
+
+def operand_looks(insns: list[Insn]) -> tuple[list[Look], list[Look]]:
+    """A kernel's LL looks of two or more operands (four loads) and its lamport looks of two or
+    more (compared_looks)."""
+    looks = compared_looks(insns)
+    ll = [x for x in looks if not x.lamport and len(x.loads) >= 4]  # two loads an operand
+    return ll, [x for x in looks if x.lamport]
 
 
 def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
     lmem = [i for i in insns if i.op.startswith(("LDL", "STL"))]
+    if is_push(kernel):
+        ll, lamport = operand_looks(insns)
+        resets = (len(ll) + len(lamport), sum(x.reset_next for x in ll + lamport))
+    if is_push(kernel) and bound(kernel) == DECODE_THREADS:
+        return Report(
+            arch,
+            kernel,
+            lmem,
+            len(ll),
+            max((len(x.loads) // 2 for x in ll), default=0),
+            [x for x in ll if x.late],
+            len(lamport),
+            max((len(x.loads) for x in lamport), default=0),
+            [x for x in lamport if x.late],
+            fanouts(insns),
+            *resets,
+        )
     found = windows(insns)
     multi = [w for w in found if len(w.pairs) >= 2]
     late = [w for w in multi if w.first_compare and w.first_compare[0] < w.pairs[-1].index]
@@ -354,6 +528,7 @@ def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
         max((len(w.dense) for w in dense), default=0),
         dense_late,
         fanouts(insns),
+        *(resets if is_push(kernel) else (0, 0)),
     )
 
 
@@ -362,16 +537,24 @@ def is_push(kernel: str) -> bool:
     return m is not None and m.group(1) == "0"
 
 
+def bound(kernel: str) -> int:
+    """The instantiation's __launch_bounds__ (its third template argument)."""
+    m = re.search(r"DirectionE\dELi(\d+)E", kernel)
+    return int(m.group(1)) if m else 1024
+
+
 def short(kernel: str) -> str:
     m = re.search(r"executor_kernelI(.+?)LNS_4plan9DirectionE(\d)", kernel)
     if not m:
         return kernel
     dtype = {"13__nv_bfloat16": "bf16", "6__half": "fp16", "f": "fp32"}.get(m.group(1), m.group(1))
-    return f"executor_kernel<{dtype}, {'push' if m.group(2) == '0' else 'pull'}>"
+    return f"executor_kernel<{dtype}, {'push' if m.group(2) == '0' else 'pull'}, {bound(kernel)}>"
 
 
-def excerpt(w: Window, dense: bool = False) -> str:
+def excerpt(w: Window | Look, dense: bool = False) -> str:
     """The window's LL (or lamport) loads and its first compare of them, in listing order."""
+    if isinstance(w, Look):
+        return look_excerpt(w)
     if dense:
         marks = {id(i): "lamport load" for _, i in w.dense}
         assert w.first_dense_compare is not None
@@ -516,6 +699,29 @@ def main() -> int:
                 f"FAIL delivery: no loop stores one load to {MAX_FANOUT} destinations "
                 f"({', '.join(f'{k} {r.fanout[k]}' for k in narrow)} at most)"
             )
+        if push and bound(kernel) == DECODE_THREADS and min(r.widest, r.dense_widest) < ONE_LOOK:
+            failed |= enforce
+            reported += not enforce
+            verdict.append(
+                f"{'FAIL' if enforce else 'REPORTED (not enforced on ' + arch + ')'} one look: "
+                f"the decode-shaped kernel's widest first look takes {r.widest} LL and "
+                f"{r.dense_widest} lamport operands, not every operand of a reduce ({ONE_LOOK})"
+            )
+        decode = push and bound(kernel) == DECODE_THREADS
+        if decode and r.reset_first:
+            failed |= enforce
+            reported += not enforce
+            verdict.append(
+                f"{'FAIL' if enforce else 'REPORTED (not enforced on ' + arch + ')'} reset "
+                f"before the result: in {r.reset_first} of {r.operand_looks} looks the next "
+                "16-byte store is a reset, not the result's store"
+            )
+        if push and not decode and r.operand_looks and not r.reset_first:
+            blind = True
+            verdict.append(
+                "NO RESET FOUND AFTER A LARGE-MESSAGE LOOK (they reset each group after its "
+                "look): the reset heuristic of (f) needs updating"
+            )
         if not push and (r.looks or r.dense_looks):
             failed = True
             verdict.append("FAIL a pull kernel holds LL code (LL and lamport are push-only)")
@@ -567,6 +773,7 @@ def main() -> int:
     print(
         f"check_sass: passed: {len(kernels)} executor kernels, no local memory, every LL and "
         f"lamport first look issues all its loads before its first compare{where}{note}, "
+        f"the decode-shaped kernels' one look takes all {ONE_LOOK} operands, "
         f"delivery loads once for up to {MAX_FANOUT} destinations ({seconds:.1f} s)"
     )
     return 0

@@ -108,6 +108,7 @@ std::string run_workload(const Workload& w, int64_t max_numel, Placement placeme
     }
     DeviceOptions call_options = options;
     call_options.seed = options.seed * 1000003u + i;
+    call_options.executor_bound = kShapes[call.blocks].bound;
     const plan::Tactic tactic = launch_tactic(w, call);
     const LaunchStatus status = group.launch(ids[call.tactic], tactic, call.dtype, inputs, outputs,
                                              call.numel, call_options);

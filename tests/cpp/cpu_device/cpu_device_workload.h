@@ -23,12 +23,17 @@ std::vector<Mode> all_modes();
 // "_strict_device", "_weak_host", ...: a test-name suffix.
 std::string mode_name(const Mode& mode);
 
-// Two launch shapes: more than one warp per CTA, and CTAs that own uneven slices.
+// Two launch shapes: more than one warp per CTA, and CTAs that own uneven slices. `bound`: the
+// executor instantiation (cpu_device::DeviceOptions::executor_bound): the first shape runs what
+// a GPU runs at it (push: the decode-shaped kernels, every LL operand in one look), the second
+// the large-message kernels (LL operands two at a time: a reduce of three or more runs several
+// looks, each resetting its own operands).
 struct Shape {
   int blocks;
   int threads;
+  int bound;
 };
-inline constexpr Shape kShapes[] = {{2, 64}, {3, 32}};
+inline constexpr Shape kShapes[] = {{2, 64, 0}, {3, 32, kMaxThreads}};
 
 // Every tactic the builders accept for this world and island map, as built.
 std::vector<host_test::TacticCase> gpu_tactics(int world, const std::vector<int>& island_of);

@@ -108,6 +108,57 @@ MUTANTS = [
         "pattern is summed as data",
     ),
     Mutant(
+        "decode_look_trusts_tags",
+        EXECUTOR,
+        "      const bool missing = Dense ? !dense_arrived(lo[k]) : "
+        "!ll_tags_are(lo[k], hi[k], tag);\n",
+        "      const bool missing = Dense && !dense_arrived(lo[k]);\n      (void)tag;\n",
+        "the decode-shaped kernels' one look takes an LL vector whose tags are not yet this "
+        "call's: stale or half-written data is summed",
+    ),
+    Mutant(
+        "decode_look_trusts_lamport",
+        EXECUTOR,
+        "      const bool missing = Dense ? !dense_arrived(lo[k]) : "
+        "!ll_tags_are(lo[k], hi[k], tag);\n",
+        "      const bool missing = !Dense && !ll_tags_are(lo[k], hi[k], tag);\n",
+        "the decode-shaped kernels' one look takes a lamport vector that still holds empty "
+        "words: the empty pattern is summed as data",
+    ),
+    Mutant(
+        "decode_plain_operand_as_ll",
+        EXECUTOR,
+        "      x[k] = Dense || !ll ? lo[k] : ll_payload(lo[k], hi[k]);\n",
+        "      x[k] = Dense ? lo[k] : ll_payload(lo[k], hi[k]);\n",
+        "the decode-shaped kernels read a plain operand (loaded twice, at +0) as LL words: half "
+        "its payload is taken for tags",
+    ),
+    Mutant(
+        "decode_second_ll_vector_at_first",
+        EXECUTOR,
+        "      hi[k] = Dense ? lo[k] : load_ll(at[k] + ll);\n",
+        "      hi[k] = Dense ? lo[k] : load_ll(at[k]);\n",
+        "the decode-shaped kernels load an LL operand's first LL vector twice: its tags pass and "
+        "half its payload is the other half's",
+    ),
+    Mutant(
+        "decode_relook_once",
+        EXECUTOR,
+        "      } while (pending != 0);\n",
+        "      } while (false);\n",
+        "the decode-shaped kernels look again only once after a miss: an operand still missing "
+        "then is summed from the words its first look saw",
+    ),
+    Mutant(
+        "decode_relook_ignores_foreign_tags",
+        EXECUTOR,
+        "    if (try_load_ll(at, c.ll_tag, payload, seen)) return;\n"
+        "    if (plan::ll_foreign(seen, c.ll_tag)) {\n",
+        "    if (try_load_ll(at, c.ll_tag, payload, seen)) return;\n    if (false) {\n",
+        "the decode-shaped kernels wait out a peer that entered the generation with another call "
+        "and report a timeout, not the mismatch",
+    ),
+    Mutant(
         "lamport_keeps_negative_zero",
         EXECUTOR,
         "  return make_uint4(plan::ll_dense_word(v.x, kBytes), plan::ll_dense_word(v.y, kBytes),\n"

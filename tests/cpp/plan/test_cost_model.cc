@@ -127,13 +127,14 @@ TEST(CostModel, SerialLooksCostRoundTripsThatParallelLooksSave) {
 }
 
 // What the model assumes of today's executor is what tests/sass checks of its code.
-TEST(CostModel, TodaysExecutorHasAParallelFirstLookSerialRelooksAndFanOutCopies) {
+TEST(CostModel, TodaysExecutorHasAParallelFirstLookParallelRelooksAndFanOutCopies) {
   const ExecutorModel e = current_executor();
   EXPECT_TRUE(e.parallel_first_look);
-  EXPECT_FALSE(e.parallel_relooks);
+  EXPECT_TRUE(e.parallel_relooks);  // the decode-shaped kernels' relook_ll_group
   EXPECT_TRUE(e.multi_destination_copies);
-  EXPECT_EQ(e.first_look_group, 2);        // kLLGroup
-  EXPECT_EQ(e.dense_first_look_group, 4);  // kLLDenseGroup on sm_120
+  // The decode-shaped kernels' one look (kLLGroup<kDecodeThreads>; tests/sass's check (e)).
+  EXPECT_EQ(e.first_look_group, kMaxSources);
+  EXPECT_EQ(e.dense_first_look_group, kMaxSources);
 }
 
 // Groups bound the parallel look: with groups of 3 at world 8 the eight operands take three

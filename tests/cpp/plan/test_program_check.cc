@@ -158,6 +158,13 @@ TEST(ProgramCheck, LLProgramsPassAndBadLLRefsAreRefused) {
   program = encode_program(s, 1);
   program.direction = Direction::kPull;
   expect_rejects(program, layout, 1, "the ll protocol is push-only");
+  // A sum into one of its own LL operands: the executor resets consumed words after the store.
+  program = encode_program(s, 1);
+  Step& into = program.steps[program.num_steps - 1];
+  ASSERT_EQ(into.srcs[0].space, Space::kLL);
+  into.dst = into.srcs[0];
+  into.dst.writer = 1;
+  expect_rejects(program, layout, 1, "which it also reads (operand 0); an LL step consumes");
 }
 
 TEST_F(ProgramCheckRejects, AnotherRanksTensors) {

@@ -155,9 +155,10 @@ def test_cost_constants_and_executor_can_be_overridden_by_name():
     base = s.cost(4096)
     later = s.cost(4096, constants={"launch_us": plan_launch() + 1.0})
     assert later["latency_us"] == pytest.approx(base["latency_us"] + 1.0)
-    assert _C.executor_model()["parallel_relooks"] is False  # what today's executor does
-    parallel = s.cost(4096, executor={"parallel_relooks": True, "first_look_group": 8})
-    assert parallel["serial_round_trips"] < base["serial_round_trips"]
+    assert _C.executor_model()["parallel_relooks"] is True  # what today's executor does
+    assert _C.executor_model()["first_look_group"] == 8
+    grouped = s.cost(4096, executor={"parallel_relooks": False, "first_look_group": 2})
+    assert base["serial_round_trips"] < grouped["serial_round_trips"]
     serial = s.cost(4096, executor={"parallel_first_look": False})
     assert serial["latency_us"] > base["latency_us"]
     with pytest.raises(ValueError, match="unknown cost-model constant 'lunch_us'.*launch_us"):

@@ -39,8 +39,10 @@ inline constexpr uint32_t kPollsPerClockCheck = 16;
 // halves, so its call half may be older; but the writer stores the call before it releases the
 // generation (store_flag_release_sys), so one read after that acquire sees this generation's call.
 inline constexpr int kMismatchRereads = 1;
-// LL operands a thread loads before it looks at their tags (kLLGroup) are the machine's choice:
-// primitives.cuh.
+// LL operands a thread loads before it looks at their tags (kLLGroup<Bound>) are the machine's and
+// the instantiation's choice: primitives.cuh. Bound is the kernel's __launch_bounds__
+// (kernel_params.h, executor_bound): the decode-shaped push kernels (kDecodeThreads) take every
+// operand of a reduce in one look, the large-message ones (kMaxThreads) a few at a time.
 
 // What every step of one CTA needs to know about the call.
 struct Call {
@@ -394,68 +396,13 @@ __device__ __forceinline__ void exchange_headers(const LaunchParams& p, const Ca
   }
 }
 
-// Operands [First, First + K) of an LL step for payload vector v (`ll_mask`: ll_operand_mask):
-// plain ones loaded, LL ones polled until their tags say this call's data has landed (Dense: until
-// no word is kLLEmpty; bounded by p.timeout_ns; a tag of this parity that names another call
-// fails at once), then reset to kLLEmpty.
-//
-// The first look puts the whole group in flight before it looks at any tag: every address
-// first, then every load (the LL words stay raw in lo/hi, 8 registers an LL operand), then the
-// tag checks. A check between two loads would make the second wait for the first's round trip.
-// kLLGroup is the largest group the machine's registers keep that way (primitives_gpu.cuh says
-// how it was measured; tests/sass/check_sass.py checks the SASS). Operand addresses are derived
-// from the staged step (shared memory) again where they are needed after the loads rather than
-// held in registers, and the mask goes through opaque_u32 so that its bits are tested here, not
-// hoisted out of the vector loop one register each.
-template <plan::Direction D, bool Dense, int First, int K>
-__device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Call& c,
-                                                int step_index, const plan::Step& step,
-                                                int64_t shift, uint32_t ll_mask, int v,
-                                                uint4 (&x)[K]) {
-  const uint32_t tag = c.ll_tag;
-  ll_mask = opaque_u32(ll_mask);
-  // First look, 1: addresses, before the first load's clobber.
-  const uint4* at[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const plan::BufRef& ref = step.srcs[First + k];
-    at[k] = locate<Dense>(p, c, ref, shift, v);
-  }
-  // First look, 2: every load of the group in flight at once.
-  uint4 lo[K];
-  uint4 hi[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if ((ll_mask >> (First + k)) & 1u) {
-      lo[k] = load_ll(at[k]);
-      hi[k] = Dense ? lo[k] : load_ll(at[k] + 1);
-    } else {
-      lo[k] = load_operand<D>(at[k]);
-      hi[k] = lo[k];
-    }
-  }
-  // First look, 3: the tags, once everything has been asked for.
-  uint32_t pending = 0;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if ((ll_mask >> (First + k)) & 1u) {
-      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;
-      x[k] = Dense ? lo[k] : ll_payload(lo[k], hi[k]);
-    } else {
-      x[k] = lo[k];
-    }
-  }
-  // Slow path: wait for the missing ones in operand order, one at a time (by then the others
-  // have usually landed too, so each costs one more look).
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if ((pending >> k) & 1u) {
-      const plan::BufRef& ref = step.srcs[First + k];
-      x[k] = await_ll<Dense>(p, c, step_index, step, ref, locate<Dense>(p, c, ref, shift, v));
-    }
-  }
-  // Consumed: no tag and no Lamport word is kLLEmpty, so an LL word is valid exactly once per
-  // write.
+// Operands [First, First + K) of an LL step, consumed for payload vector v: back to kLLEmpty. No
+// tag and no Lamport word is kLLEmpty, so an LL word is valid exactly once per write. Addresses
+// derived again from the staged step, not held from the loads.
+template <bool Dense, int First, int K>
+__device__ __forceinline__ void reset_ll_operands(const LaunchParams& p, const Call& c,
+                                                  const plan::Step& step, int64_t shift,
+                                                  uint32_t ll_mask, int v) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if ((ll_mask >> (First + k)) & 1u) {
@@ -466,18 +413,166 @@ __device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Cal
   }
 }
 
+// One look at operands [First, First + K) of an LL step for payload vector v (`ll_mask`:
+// ll_operand_mask): plain ones loaded, LL ones taken into x where their tags say this call's data
+// has landed (Dense: no word is kLLEmpty). Returns the LL operands whose data had not landed (bit
+// k: operand First + k); gather_ll_group waits for them.
+//
+// The look puts the whole group in flight before it looks at any tag: every address first, then
+// every load (the LL words stay raw in lo/hi, 8 registers an LL operand), then the tag checks. A
+// check between two loads would make the second wait for the first's round trip. kLookGroup is
+// the largest group the machine's registers keep that way (primitives_gpu.cuh says how it was
+// measured; tests/sass/check_sass.py checks the SASS). Operand addresses are derived from the
+// staged step (shared memory) again where they are needed after the loads rather than held in
+// registers, and the mask goes through opaque_u32 so that its bits are tested here, not hoisted
+// out of the vector loop one register each.
+//
+// Decode (the decode-shaped kernels, whose one look takes all of up to eight operands): every
+// operand's loads are unpredicated volatile loads, an LL operand's second LL vector at +1 and a
+// plain operand's vector again at +0 (a local L2 hit; volatile reads at least what ld.cg does),
+// and the mask picks among what was loaded. Predicated by the mask, eight operands' loads and
+// their compares need more predicates than the seven a thread has, and ptxas then issues the
+// last operands' loads after the first compares (a serial look: tests/sass/check_sass.py).
+template <plan::Direction D, bool Dense, bool Decode, int First, int K>
+__device__ __forceinline__ uint32_t look_ll_group(const LaunchParams& p, const Call& c,
+                                                  const plan::Step& step, int64_t shift,
+                                                  uint32_t ll_mask, int v, uint4 (&x)[K]) {
+  const uint32_t tag = c.ll_tag;
+  ll_mask = opaque_u32(ll_mask);
+  // 1: addresses, before the first load's clobber.
+  const uint4* at[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const plan::BufRef& ref = step.srcs[First + k];
+    at[k] = locate<Dense>(p, c, ref, shift, v);
+  }
+  // 2: every load of the group in flight at once.
+  uint4 lo[K];
+  uint4 hi[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const uint32_t ll = (ll_mask >> (First + k)) & 1u;
+    if constexpr (Decode) {
+      lo[k] = load_ll(at[k]);
+      hi[k] = Dense ? lo[k] : load_ll(at[k] + ll);
+    } else if (ll) {
+      lo[k] = load_ll(at[k]);
+      hi[k] = Dense ? lo[k] : load_ll(at[k] + 1);
+    } else {
+      lo[k] = load_operand<D>(at[k]);
+      hi[k] = lo[k];
+    }
+  }
+  // 3: the tags, once everything has been asked for.
+  uint32_t pending = 0;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const uint32_t ll = (ll_mask >> (First + k)) & 1u;
+    if constexpr (Decode) {
+      const bool missing = Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag);
+      pending |= (ll & static_cast<uint32_t>(missing)) << k;
+      x[k] = Dense || !ll ? lo[k] : ll_payload(lo[k], hi[k]);
+    } else if (ll) {
+      if (Dense ? !dense_arrived(lo[k]) : !ll_tags_are(lo[k], hi[k], tag)) pending |= 1u << k;
+      x[k] = Dense ? lo[k] : ll_payload(lo[k], hi[k]);
+    } else {
+      x[k] = lo[k];
+    }
+  }
+  return pending;
+}
+
+// The decode-shaped kernels' check of a look that missed, every kPollsPerClockCheck looks: the
+// lowest operand still pending (bit k of `pending`: operand First + k) is loaded once more; a tag
+// of this parity naming another call fails with kLLMismatch, and past p.timeout_ns since `start`
+// nothing landing fails with kLLTimeout, as await_ll fails.
+template <bool Dense, int First>
+__device__ __forceinline__ void check_pending_ll(const LaunchParams& p, const Call& c,
+                                                 int step_index, const plan::Step& step,
+                                                 int64_t shift, int v, uint32_t pending,
+                                                 uint64_t start) {
+  int k = 0;
+  while (((pending >> k) & 1u) == 0) ++k;
+  const plan::BufRef& ref = step.srcs[First + k];
+  const uint4* at = locate<Dense>(p, c, ref, shift, v);
+  uint32_t seen;
+  if constexpr (Dense) {
+    const uint4 words = load_ll(at);
+    if (dense_arrived(words)) return;
+    seen = dense_seen(words);
+  } else {
+    uint4 payload;
+    if (try_load_ll(at, c.ll_tag, payload, seen)) return;
+    if (plan::ll_foreign(seen, c.ll_tag)) {
+      fail(p, plan::make_ll_diagnostic(plan::FailureKind::kLLMismatch, position(p, c), step_index,
+                                       step, ref, seen, c.ll_tag));
+    }
+  }
+  if (p.timeout_ns != 0 && global_timer_ns() - start > p.timeout_ns) {
+    fail(p, plan::make_ll_diagnostic(plan::FailureKind::kLLTimeout, position(p, c), step_index,
+                                     step, ref, seen, c.ll_tag));
+  }
+}
+
+// Operands [First, First + K) of an LL step for payload vector v, in x: look_ll_group's first look,
+// then the slow path for any operand it missed.
+//
+// The large-message kernels await the missing ones in operand order, one at a time (by then the
+// others have usually landed too, so each costs one more look), and reset the group's operands.
+// The decode-shaped kernels (Decode) repeat the whole look until nothing is missing: one look
+// after the last operand lands, where awaiting them in turn would cost a look each after the one
+// before, and with every operand in the first look that look comes early and misses most of them
+// when peers are late. A repeated look loads the operands that had landed again too (their words
+// stay valid until the reset, after the result's store): at decode sizes a few more loads per
+// thread, and the look keeps the first look's registers (a look at the pending ones only held x
+// beside them, and spilled).
+template <plan::Direction D, bool Dense, bool Decode, int First, int K>
+__device__ __forceinline__ void gather_ll_group(const LaunchParams& p, const Call& c,
+                                                int step_index, const plan::Step& step,
+                                                int64_t shift, uint32_t ll_mask, int v,
+                                                uint4 (&x)[K]) {
+  uint32_t pending = look_ll_group<D, Dense, Decode, First, K>(p, c, step, shift, ll_mask, v, x);
+  if constexpr (Decode) {
+    if (pending != 0) {
+      const uint64_t start = global_timer_ns();
+      uint32_t polls = 0;
+      do {
+        if (++polls == kPollsPerClockCheck) {
+          polls = 0;
+          check_pending_ll<Dense, First>(p, c, step_index, step, shift, v, pending, start);
+        }
+        pending = look_ll_group<D, Dense, Decode, First, K>(p, c, step, shift, ll_mask, v, x);
+      } while (pending != 0);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if ((pending >> k) & 1u) {
+        const plan::BufRef& ref = step.srcs[First + k];
+        x[k] = await_ll<Dense>(p, c, step_index, step, ref, locate<Dense>(p, c, ref, shift, v));
+      }
+    }
+    reset_ll_operands<Dense, First, K>(p, c, step, shift, ll_mask, v);
+  }
+}
+
+// Operands of an N-operand LL step a thread takes in one look, in an instantiation of Bound.
+template <bool Dense, int Bound>
+inline constexpr int kLookGroup = Dense ? kLLDenseGroup<Bound> : kLLGroup<Bound>;
+
 // Adds operands [First, N) of payload vector v to acc (fp32, operand order, split at S as
-// sum_in_order splits: `first` takes the rounded first sum), kLLGroup at a time.
-template <typename T, plan::Direction D, bool Dense, int N, int S, int First>
+// sum_in_order splits: `first` takes the rounded first sum), kLookGroup at a time.
+template <typename T, plan::Direction D, bool Dense, int Bound, int N, int S, int First>
 __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call& c, int step_index,
                                               const plan::Step& step, int64_t shift,
                                               uint32_t ll_mask, int v,
                                               float (&acc)[VecMath<T>::kElems], uint4& first) {
   using M = VecMath<T>;
-  constexpr int kGroup = Dense ? kLLDenseGroup : kLLGroup;
+  constexpr int kGroup = kLookGroup<Dense, Bound>;
   constexpr int K = N - First < kGroup ? N - First : kGroup;
   uint4 x[K];
-  gather_ll_group<D, Dense, First, K>(p, c, step_index, step, shift, ll_mask, v, x);
+  gather_ll_group<D, Dense, Bound == kDecodeThreads, First, K>(p, c, step_index, step, shift,
+                                                               ll_mask, v, x);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     split_at<T, S>(First + k, acc, first);
@@ -488,15 +583,23 @@ __device__ __forceinline__ void accumulate_ll(const LaunchParams& p, const Call&
     // the adds past them and hold this group's operands (4 registers each) in place of the sum.
 #pragma unroll
     for (int e = 0; e < M::kElems; ++e) acc[e] = opaque_f32(acc[e]);
-    accumulate_ll<T, D, Dense, N, S, First + K>(p, c, step_index, step, shift, ll_mask, v, acc,
-                                                first);
+    accumulate_ll<T, D, Dense, Bound, N, S, First + K>(p, c, step_index, step, shift, ll_mask, v,
+                                                       acc, first);
   }
 }
 
 // A reduce that reads or writes LL slots: the same sum as reduce_slice (sum_in_order; a copy
 // moves bits), with LL operands awaited per vector and an LL destination written tagged (Dense:
 // as it is, no word kLLEmpty, its header beside it). Nothing else: no fence, no flag, no barrier.
-template <typename T, plan::Direction D, bool Dense, int N, int S>
+//
+// In the decode-shaped kernels, whose one look takes every operand, the consumed LL words are reset
+// after the result is stored, so the result (at decode sizes a posted write to a peer, the next
+// rank's critical path) goes out first. The large-message kernels reset each group's operands
+// after its look, as they did before there were two kinds (their register budget, 64, was
+// measured with the resets there).
+// plan::check_program() refuses an LL step whose destination is one of its LL operands, the one
+// case where the order would matter.
+template <typename T, plan::Direction D, bool Dense, int Bound, int N, int S>
 __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Call& c,
                                                 int step_index, const plan::Step& step,
                                                 int64_t shift, plan::VecRange range) {
@@ -508,18 +611,22 @@ __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Cal
   // LL slots hold at most plan::kMaxLLPayloadBytes: 32-bit vector indices, fewer registers.
   const int end = static_cast<int>(range.end);
   const uint32_t ll_mask = opaque_u32(ll_operand_mask<N>(step));
+  // After the store: the decode-shaped kernels, whose one look takes every operand.
+  constexpr bool kDecode = Bound == kDecodeThreads;
+  static_assert(!kDecode || N <= kLookGroup<Dense, Bound>);
   for (int v = static_cast<int>(range.begin) + thread_index(); v < end;
        v += static_cast<int>(blockDim.x)) {
     uint4 out;
     if constexpr (N == 1) {
       uint4 x[1];
-      gather_ll_group<D, Dense, 0, 1>(p, c, step_index, step, shift, ll_mask, v, x);
+      gather_ll_group<D, Dense, kDecode, 0, 1>(p, c, step_index, step, shift, ll_mask, v, x);
       out = x[0];
     } else {
       float acc[VecMath<T>::kElems];
       uint4 first = make_uint4(0u, 0u, 0u, 0u);
       start_sum(acc);
-      accumulate_ll<T, D, Dense, N, S, 0>(p, c, step_index, step, shift, ll_mask, v, acc, first);
+      accumulate_ll<T, D, Dense, Bound, N, S, 0>(p, c, step_index, step, shift, ll_mask, v, acc,
+                                                 first);
       join_split<T, S>(acc, first);
       out = VecMath<T>::narrow(acc);
     }
@@ -531,6 +638,7 @@ __device__ __forceinline__ void reduce_slice_ll(const LaunchParams& p, const Cal
     } else {
       store_ll_payload(dst, out, c.ll_tag);
     }
+    if constexpr (kDecode) reset_ll_operands<Dense, 0, N>(p, c, step, shift, ll_mask, v);
   }
 }
 
@@ -545,21 +653,23 @@ __device__ __forceinline__ bool touches_ll(const plan::Step& step) {
 // `dense`: the program's LL slots are Lamport (plan::LLFormat::kDense). Read from the staged
 // program in shared memory once per step rather than held in a register through the whole
 // kernel (one more live register spills on sm_120).
-template <typename T, plan::Direction D, bool LL>
+template <typename T, plan::Direction D, bool LL, int Bound>
 __device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, int s,
                                          const plan::Step& step, bool dense, int64_t shift,
                                          plan::VecRange range) {
   static_assert(plan::kMaxSources == 8);
-#define PCIE_AR_REDUCE_CASE(n)                                                                 \
-  case n:                                                                                      \
-    return with_split<n>(split_of(step), [&](auto split) {                                     \
-      constexpr int kSplit = decltype(split)::value;                                           \
-      if constexpr (LL) {                                                                      \
-        if (dense) return reduce_slice_ll<T, D, true, n, kSplit>(p, c, s, step, shift, range); \
-        return reduce_slice_ll<T, D, false, n, kSplit>(p, c, s, step, shift, range);           \
-      } else {                                                                                 \
-        return reduce_slice<T, D, n, kSplit>(p, c, step, shift, range);                        \
-      }                                                                                        \
+#define PCIE_AR_REDUCE_CASE(n)                                                               \
+  case n:                                                                                    \
+    return with_split<n>(split_of(step), [&](auto split) {                                   \
+      constexpr int kSplit = decltype(split)::value;                                         \
+      if constexpr (LL) {                                                                    \
+        if (dense) {                                                                         \
+          return reduce_slice_ll<T, D, true, Bound, n, kSplit>(p, c, s, step, shift, range); \
+        }                                                                                    \
+        return reduce_slice_ll<T, D, false, Bound, n, kSplit>(p, c, s, step, shift, range);  \
+      } else {                                                                               \
+        return reduce_slice<T, D, n, kSplit>(p, c, step, shift, range);                      \
+      }                                                                                      \
     });
   switch (step.num_srcs) {
     PCIE_AR_REDUCE_CASE(1)
@@ -576,7 +686,7 @@ __device__ __forceinline__ void reduce_n(const LaunchParams& p, const Call& c, i
 }
 
 // The LL decision is per step and uniform across the CTA (every thread reads the same step).
-template <typename T, plan::Direction D>
+template <typename T, plan::Direction D, int Bound>
 __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
                                            const plan::Program& program, int step_index) {
   const plan::Step& step = program.steps[step_index];
@@ -587,8 +697,8 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
     // LL is push-only: check_program() refuses a pull program with LL slots, so the pull kernels
     // carry no LL code (half the instantiations, half the compile time).
     if constexpr (D == plan::Direction::kPush) {
-      reduce_n<T, D, true>(p, c, step_index, step, program.ll_format == plan::LLFormat::kDense,
-                           shift, range);
+      reduce_n<T, D, true, Bound>(p, c, step_index, step,
+                                  program.ll_format == plan::LLFormat::kDense, shift, range);
     } else {
       trap_kernel();
     }
@@ -597,9 +707,9 @@ __device__ __forceinline__ void run_reduce(const LaunchParams& p, const Call& c,
     // where those writes land; in host memory (cuda_host) L2 may still hold the line from the
     // previous call of this parity, so read like pull operands: ld.cv re-fetches system-memory
     // lines. Direction only selects the loads in reduce_n.
-    reduce_n<T, plan::Direction::kPull, false>(p, c, step_index, step, false, shift, range);
+    reduce_n<T, plan::Direction::kPull, false, Bound>(p, c, step_index, step, false, shift, range);
   } else {
-    reduce_n<T, D, false>(p, c, step_index, step, false, shift, range);
+    reduce_n<T, D, false, Bound>(p, c, step_index, step, false, shift, range);
   }
 }
 
@@ -814,9 +924,14 @@ __device__ __forceinline__ void run_epilogue(const LaunchParams& p, const Call& 
   epilogue_rows<T>(p, c.rank, c.block);
 }
 
-template <typename T, plan::Direction D>
-__global__ void __launch_bounds__(kMaxThreads)
+// Bound: executor_bound() of the launches that run this instantiation (kernel_params.h). The
+// large-message kernels ask no minimum of CTAs per SM (0, as if absent): with 1, CUDA 13.0's
+// ptxas allocates the fp32 push kernel differently and spills it on sm_90.
+template <typename T, plan::Direction D, int Bound>
+__global__ void __launch_bounds__(Bound, Bound == kMaxThreads ? 0 : kDecodeMinCtasPerSm)
     executor_kernel(const __grid_constant__ LaunchParams p) {
+  static_assert(Bound == kMaxThreads || (Bound == kDecodeThreads && D == plan::Direction::kPush),
+                "an instantiation executor_bound() never picks");
   // The program is read by every thread at every step: stage it once in shared memory.
   __shared__ uint32_t staged_program[sizeof(plan::Program) / 4];
 
@@ -854,7 +969,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           if constexpr (D == plan::Direction::kPush) run_fanout<T, D>(p, c, program, s, n);
           s += n - 1;
         } else {
-          run_reduce<T, D>(p, c, program, s);
+          run_reduce<T, D, Bound>(p, c, program, s);
         }
         break;
       }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "plan/epilogue.h"
+#include "plan/host_device.h"
 #include "plan/layout.h"
 #include "plan/protocol.h"
 #include "plan/step.h"
@@ -14,8 +15,26 @@
 
 namespace pcie_ar::transport {
 
-inline constexpr int kMaxThreads = 1024;  // the executor's __launch_bounds__
+inline constexpr int kMaxThreads = 1024;  // the large-message executor's __launch_bounds__
 inline constexpr int kWarpThreads = 32;
+
+// The decode-shaped executor: push launches of at most kDecodeThreads threads per CTA (every
+// decode-size tactic: the seed's LL and lamport rows are 8 x 256) run an instantiation compiled
+// __launch_bounds__(kDecodeThreads, kDecodeMinCtasPerSm), which leaves each thread 65536 /
+// (256 x 2) = 128 registers where the large-message one's 1024 threads leave 64: room for every
+// LL or lamport operand of a reduce in one look (primitives_gpu.cuh, kLLGroup). Two CTAs per SM
+// keep a world-8 loopback's 64 decode CTAs resident on any GPU with 32 SMs. Pull programs carry
+// no LL code: they keep one instantiation.
+inline constexpr int kDecodeThreads = 256;
+inline constexpr int kDecodeMinCtasPerSm = 2;
+
+// The __launch_bounds__ of the instantiation a launch of `threads` threads per CTA runs: the
+// decode-shaped one (kDecodeThreads) or the large-message one (kMaxThreads). Every rank of a
+// call launches the same tactic, so every rank runs the same instantiation.
+PCIE_AR_HD constexpr int executor_bound(plan::Direction direction, int threads) {
+  return direction == plan::Direction::kPush && threads <= kDecodeThreads ? kDecodeThreads
+                                                                          : kMaxThreads;
+}
 
 // The splits (plan::Step::split) of a reduce of num_srcs operands that the executor runs: none,
 // or the canonical tree's two equal groups, the only ones the builders emit (executor.cuh says

@@ -1,4 +1,5 @@
-// The only translation unit nvcc compiles: the six executor instantiations (dtype × direction),
+// The only translation unit nvcc compiles: the nine executor instantiations (dtype × direction,
+// and for push the decode-shaped one beside the large-message one: kernel_params.h),
 // the P2P probe kernels, and the host functions that launch them (launch.h), with
 // programmatic dependent launch where the workspace asks for it.
 #include <cuda_runtime.h>
@@ -15,19 +16,27 @@ namespace {
 
 using Kernel = void (*)(LaunchParams);
 
-Kernel kernel_for(plan::DType dtype, plan::Direction direction) {
+template <typename T>
+Kernel kernel_of(plan::Direction direction, int threads) {
   using plan::Direction;
-  const bool push = direction == Direction::kPush;
+  if (direction == Direction::kPull) {
+    return kernels::executor_kernel<T, Direction::kPull, kMaxThreads>;
+  }
+  if (executor_bound(direction, threads) == kDecodeThreads) {
+    return kernels::executor_kernel<T, Direction::kPush, kDecodeThreads>;
+  }
+  return kernels::executor_kernel<T, Direction::kPush, kMaxThreads>;
+}
+
+// The instantiation a launch of `threads` threads per CTA runs (executor_bound).
+Kernel kernel_for(plan::DType dtype, plan::Direction direction, int threads) {
   switch (dtype) {
     case plan::DType::kBF16:
-      return push ? kernels::executor_kernel<__nv_bfloat16, Direction::kPush>
-                  : kernels::executor_kernel<__nv_bfloat16, Direction::kPull>;
+      return kernel_of<__nv_bfloat16>(direction, threads);
     case plan::DType::kFP16:
-      return push ? kernels::executor_kernel<__half, Direction::kPush>
-                  : kernels::executor_kernel<__half, Direction::kPull>;
+      return kernel_of<__half>(direction, threads);
     case plan::DType::kFP32:
-      return push ? kernels::executor_kernel<float, Direction::kPush>
-                  : kernels::executor_kernel<float, Direction::kPull>;
+      return kernel_of<float>(direction, threads);
   }
   throw std::invalid_argument("unknown dtype code " + std::to_string(static_cast<int>(dtype)));
 }
@@ -70,7 +79,7 @@ cudaError_t launch_pdl(const void* kernel, const LaunchParams& p, cudaStream_t s
 }  // namespace
 
 bool launch_executor(const LaunchParams& p, cudaStream_t stream) {
-  const void* kernel = reinterpret_cast<const void*>(kernel_for(p.dtype, p.direction));
+  const void* kernel = reinterpret_cast<const void*>(kernel_for(p.dtype, p.direction, p.threads));
   void* args[] = {const_cast<LaunchParams*>(&p)};
   if (p.pdl) {
     const cudaError_t err = launch_pdl(kernel, p, stream);
@@ -98,13 +107,15 @@ bool launch_executor(const LaunchParams& p, cudaStream_t stream) {
 bool executor_waits_for_previous_grid() {
   for (plan::DType dtype : plan::kAllDTypes) {
     for (plan::Direction direction : {plan::Direction::kPush, plan::Direction::kPull}) {
-      cudaFuncAttributes attributes{};
-      if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(
-                                                 kernel_for(dtype, direction))) != cudaSuccess) {
-        cudaGetLastError();
-        return false;
+      for (int threads : {kDecodeThreads, kMaxThreads}) {  // both instantiations (executor_bound)
+        cudaFuncAttributes attributes{};
+        if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel_for(
+                                                   dtype, direction, threads))) != cudaSuccess) {
+          cudaGetLastError();
+          return false;
+        }
+        if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return false;
       }
-      if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return false;
     }
   }
   return true;
@@ -113,7 +124,7 @@ bool executor_waits_for_previous_grid() {
 int executor_ctas_per_sm(plan::DType dtype, plan::Direction direction, int threads) {
   int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, reinterpret_cast<const void*>(kernel_for(dtype, direction)), threads, 0);
+      &per_sm, reinterpret_cast<const void*>(kernel_for(dtype, direction, threads)), threads, 0);
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string("cudaOccupancyMaxActiveBlocksPerMultiprocessor failed (") +
                              cudaGetErrorName(err) + ": " + cudaGetErrorString(err) + ")");

@@ -14,7 +14,8 @@
 
 namespace pcie_ar::transport {
 
-// Enqueues the executor instantiation for (p.dtype, p.direction) on `stream`: capture-safe.
+// Enqueues the executor instantiation for (p.dtype, p.direction, executor_bound(p.direction,
+// p.threads)) on `stream`: capture-safe.
 // With p.pdl it launches with programmatic stream serialization. Returns false when that PDL
 // launch was refused outside stream capture and the same launch went out without PDL (the
 // caller should stop asking for PDL); true otherwise. Throws std::runtime_error naming the
@@ -27,7 +28,7 @@ namespace pcie_ar::transport {
 // kernel JIT-compiled from older PTX would not, and must never be launched with PDL.
 bool executor_waits_for_previous_grid();
 
-// CTAs of that instantiation one SM keeps resident with `threads` threads each.
+// CTAs of the instantiation a launch of `threads` threads runs that one SM keeps resident.
 int executor_ctas_per_sm(plan::DType dtype, plan::Direction direction, int threads);
 
 // Whether launches on `device` (the current device) may use programmatic dependent launch:

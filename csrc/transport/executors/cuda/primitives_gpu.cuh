@@ -19,6 +19,7 @@
 
 #include "plan/step.h"
 #include "plan/tactic.h"
+#include "transport/executors/cuda/kernel_params.h"
 
 namespace pcie_ar::transport::kernels {
 
@@ -181,10 +182,15 @@ __device__ __forceinline__ void allow_dependent_grids() {
 // ------------------------------------------------------------------ control
 
 // LL operands a thread loads before it looks at their tags, all in flight at once (executor.cuh,
-// gather_ll_group). Per architecture, the largest group for which CUDA 13.0's ptxas, in all six
-// executor kernels, both keeps everything in the 64 registers a 1024-thread CTA leaves each
-// thread (no spill, no stack frame: cuda_executor_no_spills) and issues every LL load of a group
-// before its first tag compare (tests/sass/check_sass.py). Measured per kernel:
+// gather_ll_group), by the instantiation's launch bound (kernel_params.h, executor_bound).
+//
+// The decode-shaped kernels (kDecodeThreads, 128 registers a thread) take every operand of a
+// reduce in one look (plan::kMaxSources, LL and lamport alike): no spill, no stack frame and every
+// load before the first compare on every architecture CI builds (tests/sass/check_sass.py).
+//
+// The large-message kernels (kMaxThreads: 64 registers a thread) take the largest group for which
+// CUDA 13.0's ptxas, in all six of them, both keeps everything in registers and issues every LL
+// load of a group before its first tag compare. Measured per kernel:
 //   group 4: fp32 spills (4-8 bytes) on sm_86/89/120; no spill on sm_80/90/100, but ptxas gives a
 //            later operand's load the registers of an earlier operand's data, so that operand's
 //            tag compares move above the load (the look is half serial; sm_100 is clean only
@@ -195,16 +201,16 @@ __device__ __forceinline__ void allow_dependent_grids() {
 //            sm_86/89; half-serial looks on sm_80/90/100;
 //   group 2: clean on sm_86/89/90/100/120; on sm_80 two of sixteen fp32 looks still compare
 //            early.
-// Larger groups save round trips when a reduce has more operands than one group; lamport, the
-// protocol the seed chooses at decode sizes, keeps its larger group (kLLDenseGroup).
-inline constexpr int kLLGroup = 2;
-// The same for Lamport operands (4 registers each, raw, against LL's 8), measured the same way:
-// group 4 is spill-free and parallel on sm_100 and sm_120; below sm_100 the LL group is kept,
-// not measured further.
+// Lamport operands (4 registers each, raw, against LL's 8), measured the same way: group 4 is
+// spill-free and parallel on sm_100 and sm_120; below sm_100 the LL group is kept.
+template <int Bound>
+inline constexpr int kLLGroup = Bound <= kDecodeThreads ? plan::kMaxSources : 2;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-inline constexpr int kLLDenseGroup = 4;
+template <int Bound>
+inline constexpr int kLLDenseGroup = Bound <= kDecodeThreads ? plan::kMaxSources : 4;
 #else
-inline constexpr int kLLDenseGroup = kLLGroup;
+template <int Bound>
+inline constexpr int kLLDenseGroup = kLLGroup<Bound>;
 #endif
 
 // This thread's index in its CTA, read from the special register at every use rather than kept

@@ -46,6 +46,11 @@ struct DeviceOptions {
   // How long a system fence takes (microseconds over PCIe; 0: as long as delivering the buffered
   // stores). A thread whose fence outlasts another CTA's trap ends in it, as the grid would.
   uint64_t fence_ns = 0;
+  // Which CUDA executor instantiation cpu/launch.cc runs, by its __launch_bounds__: 0 picks as a
+  // GPU does (executor_bound in kernel_params.h); kMaxThreads runs the large-message one at any
+  // shape (its LL groups at a decode shape: the CPU device has no register file to run out of);
+  // kDecodeThreads the decode-shaped one (push, at most kDecodeThreads threads).
+  int executor_bound = 0;
 };
 
 enum class LaunchStatus : uint8_t { kCompleted = 0, kTrapped = 1 };

@@ -14,12 +14,26 @@
 namespace pcie_ar::transport::cpu_device {
 namespace {
 
+// The instantiation a GPU runs (executor_bound), or options.executor_bound's.
 template <typename T>
-std::function<void()> kernel_of(const LaunchParams& p) {
-  if (p.direction == plan::Direction::kPush) {
-    return [&p] { kernels::executor_kernel<T, plan::Direction::kPush>(p); };
+std::function<void()> kernel_of(const LaunchParams& p, const DeviceOptions& options) {
+  using plan::Direction;
+  if (p.direction == Direction::kPull) {
+    return [&p] { kernels::executor_kernel<T, Direction::kPull, kMaxThreads>(p); };
   }
-  return [&p] { kernels::executor_kernel<T, plan::Direction::kPull>(p); };
+  const int bound =
+      options.executor_bound != 0 ? options.executor_bound : executor_bound(p.direction, p.threads);
+  if (bound == kDecodeThreads && p.threads <= kDecodeThreads) {
+    return [&p] { kernels::executor_kernel<T, Direction::kPush, kDecodeThreads>(p); };
+  }
+  if (bound != kMaxThreads) {
+    throw std::invalid_argument(
+        "cpu device: no executor instantiation bounded to " + std::to_string(bound) +
+        " threads runs a push launch of " + std::to_string(p.threads) +
+        " threads (bounds: " + std::to_string(kDecodeThreads) +
+        ", for push launches of at most that many, and " + std::to_string(kMaxThreads) + ")");
+  }
+  return [&p] { kernels::executor_kernel<T, Direction::kPush, kMaxThreads>(p); };
 }
 
 }  // namespace
@@ -28,13 +42,13 @@ LaunchStatus launch_executor(const LaunchParams& p, const DeviceOptions& options
   std::function<void()> kernel;
   switch (p.dtype) {
     case plan::DType::kBF16:
-      kernel = kernel_of<Bf16>(p);
+      kernel = kernel_of<Bf16>(p, options);
       break;
     case plan::DType::kFP16:
-      kernel = kernel_of<Fp16>(p);
+      kernel = kernel_of<Fp16>(p, options);
       break;
     case plan::DType::kFP32:
-      kernel = kernel_of<float>(p);
+      kernel = kernel_of<float>(p, options);
       break;
     default:
       throw std::invalid_argument("cpu device: unknown dtype code " +

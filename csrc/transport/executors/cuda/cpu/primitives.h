@@ -34,6 +34,7 @@
 #include "plan/tactic.h"
 #include "transport/executors/cuda/cpu/device.h"
 #include "transport/executors/cuda/cpu/memory.h"
+#include "transport/executors/cuda/kernel_params.h"
 #include "transport/executors/element_codecs.h"
 
 // ------------------------------------------------------------------ CUDA's language
@@ -160,9 +161,14 @@ inline void allow_dependent_grids() {}
 
 // ------------------------------------------------------------------ control
 
-// No register budget: every operand of a reduce in one group.
-inline constexpr int kLLGroup = plan::kMaxSources;
-inline constexpr int kLLDenseGroup = plan::kMaxSources;
+// No register budget, but the GPU's groups (primitives_gpu.cuh), so that what a GPU runs runs
+// here: the decode-shaped kernels take every operand in one look, the large-message ones two at
+// a time (a reduce of more operands runs several groups; sm_100+ takes lamport four at a time,
+// the same code path as two).
+template <int Bound>
+inline constexpr int kLLGroup = Bound <= kDecodeThreads ? plan::kMaxSources : 2;
+template <int Bound>
+inline constexpr int kLLDenseGroup = kLLGroup<Bound>;
 
 // No optimizer to keep from re-deriving it.
 inline int thread_index() { return static_cast<int>(threadIdx.x); }
