@@ -26,8 +26,8 @@ TARGETS = (
 )
 
 # Executor variants the model prices: without the parallel first look of an LL group (and
-# without one-load delivery), without one-load delivery, the executor as built, and one change
-# the model prices that the executor does not make yet.
+# without one-load delivery), without one-load delivery, the executor as built (the decode-shaped
+# kernels every LL and lamport row launches on), and the large-message kernels.
 CURRENT = "current"
 LARGE = "large-message kernels"
 EXECUTORS = (

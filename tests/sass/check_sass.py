@@ -351,11 +351,12 @@ def compared_looks(insns: list[Insn]) -> list[Look]:
         if first is not None and len(loads) >= 2:
             before = [k for k in loads if k < first]
             late = sorted(k for k in compared_after if k > first)
-            reset = resets_next(insns, end)
+            reset = resets_next(insns, end, writes)
             found.append(Look(body, before, first, late, EMPTY_WORD in body[first].args, reset))
         body, loads, first, compared_after = [], [], None, set()
         loaded.clear()
 
+    writes = register_writes(insns)
     for at, i in enumerate(insns):
         if is_separator(i):
             close(at)
@@ -377,7 +378,7 @@ def compared_looks(insns: list[Insn]) -> list[Look]:
     return found
 
 
-def resets_next(insns: list[Insn], start: int) -> bool:
+def resets_next(insns: list[Insn], start: int, writes: dict[int, list[tuple[int, bool]]]) -> bool:
     """Whether the first 16-byte global store from insns[start] on, in address order, is a reset
     (reset_ll: four empty words, each data register last written with kLLEmpty before it, in
     address order). The slow path between a look and what follows it stores nothing of 16 bytes
@@ -389,7 +390,6 @@ def resets_next(insns: list[Insn], start: int) -> bool:
         m = re.fullmatch(r"R(\d+)", i.args[1].strip()) if len(i.args) > 1 else None
         if m is None:
             return False
-        writes = register_writes(insns)
         return all(
             (w := writes.get(r)) is not None
             and (k := bisect.bisect_left(w, (at, False)) - 1) >= 0
@@ -399,7 +399,6 @@ def resets_next(insns: list[Insn], start: int) -> bool:
     return False
 
 
-_WRITES: dict[int, dict[int, list[tuple[int, bool]]]] = {}
 # How ptxas materialises kLLEmpty (0x80000000) in a register: a move of the immediate (MOV.64 two
 # at once, on sm_120), or an fp16x2 fused multiply-add of -0 * 0 + (-0.0, 0).
 EMPTY_IMMEDIATES = (EMPTY_WORD, "0x80000000", "0x8000000080000000")
@@ -412,15 +411,12 @@ def writes_empty(i: Insn) -> bool:
 
 
 def register_writes(insns: list[Insn]) -> dict[int, list[tuple[int, bool]]]:
-    """Per register, the positions that write it and whether each writes the empty word (one
-    pass per kernel, kept by the listing's identity)."""
-    if id(insns) not in _WRITES:
-        out: dict[int, list[tuple[int, bool]]] = {}
-        for at, i in enumerate(insns):
-            for d in i.dests():
-                out.setdefault(d, []).append((at, writes_empty(i)))
-        _WRITES[id(insns)] = out
-    return _WRITES[id(insns)]
+    """Per register, the positions that write it and whether each writes the empty word."""
+    out: dict[int, list[tuple[int, bool]]] = {}
+    for at, i in enumerate(insns):
+        for d in i.dests():
+            out.setdefault(d, []).append((at, writes_empty(i)))
+    return out
 
 
 def look_excerpt(look: Look) -> str:
@@ -493,9 +489,8 @@ def operand_looks(insns: list[Insn]) -> tuple[list[Look], list[Look]]:
 
 def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
     lmem = [i for i in insns if i.op.startswith(("LDL", "STL"))]
-    if is_push(kernel):
-        ll, lamport = operand_looks(insns)
-        resets = (len(ll) + len(lamport), sum(x.reset_next for x in ll + lamport))
+    ll, lamport = operand_looks(insns) if is_push(kernel) else ([], [])
+    resets = (len(ll) + len(lamport), sum(x.reset_next for x in ll + lamport))
     if is_push(kernel) and bound(kernel) == DECODE_THREADS:
         return Report(
             arch,
@@ -528,7 +523,7 @@ def check(arch: str, kernel: str, insns: list[Insn]) -> Report:
         max((len(w.dense) for w in dense), default=0),
         dense_late,
         fanouts(insns),
-        *(resets if is_push(kernel) else (0, 0)),
+        *resets,
     )
 
 

@@ -19,13 +19,11 @@ using Kernel = void (*)(LaunchParams);
 template <typename T>
 Kernel kernel_of(plan::Direction direction, int threads) {
   using plan::Direction;
-  if (direction == Direction::kPull) {
-    return kernels::executor_kernel<T, Direction::kPull, kMaxThreads>;
-  }
   if (executor_bound(direction, threads) == kDecodeThreads) {
     return kernels::executor_kernel<T, Direction::kPush, kDecodeThreads>;
   }
-  return kernels::executor_kernel<T, Direction::kPush, kMaxThreads>;
+  return direction == Direction::kPush ? kernels::executor_kernel<T, Direction::kPush, kMaxThreads>
+                                       : kernels::executor_kernel<T, Direction::kPull, kMaxThreads>;
 }
 
 // The instantiation a launch of `threads` threads per CTA runs (executor_bound).

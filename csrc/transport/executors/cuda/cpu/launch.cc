@@ -18,7 +18,7 @@ namespace {
 template <typename T>
 std::function<void()> kernel_of(const LaunchParams& p, const DeviceOptions& options) {
   using plan::Direction;
-  if (p.direction == Direction::kPull) {
+  if (p.direction == Direction::kPull) {  // one instantiation: executor_bound's kMaxThreads
     return [&p] { kernels::executor_kernel<T, Direction::kPull, kMaxThreads>(p); };
   }
   const int bound =
